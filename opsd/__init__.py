@@ -1,0 +1,3 @@
+"""opsd: On-Policy Self-Distillation for language models."""
+
+__version__ = "0.1.0"

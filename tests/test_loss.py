@@ -1,0 +1,350 @@
+"""The loss library against independent formulations, autograd and properties."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opsd.loss import (
+    distill_loss_dense,
+    fused_linear_distill,
+    per_token_loss_dense,
+    token_weights,
+    vocab_parallel_distill,
+)
+
+BETAS = [0.0, 0.3, 0.5, 1.0]
+CLIPS = [("none", 0.0), ("entry", 0.05), ("token", 0.3)]
+
+
+def independent(zs, zt, targets, *, mode, beta, temperature, clip_mode, clip, topk):
+    """Per-token loss written with F.kl_div and explicit mixtures, in float64."""
+    zs, zt = zs.double() / temperature, zt.double() / temperature
+    if mode == "topk":
+        idx = zt.topk(topk, -1).indices
+        zs, zt = zs.gather(-1, idx), zt.gather(-1, idx)
+    log_s, log_p = F.log_softmax(zs, -1), F.log_softmax(zt, -1)
+    if mode == "sampled":
+        ls = log_s.gather(-1, targets[:, None])[:, 0]
+        lp = log_p.gather(-1, targets[:, None])[:, 0]
+        return -(lp - ls) * ls
+    if beta == 0:
+        ell = F.kl_div(log_s, log_p, reduction="none", log_target=True)  # P log(P/S)
+    elif beta == 1:
+        ell = F.kl_div(log_p, log_s, reduction="none", log_target=True)  # S log(S/P)
+    else:
+        m = (1 - beta) * log_s.exp() + beta * log_p.exp()
+        ell = beta * F.kl_div(m.log(), log_p, reduction="none", log_target=True) + (1 - beta) * F.kl_div(
+            m.log(), log_s, reduction="none", log_target=True
+        )
+    if clip_mode == "entry":
+        return ell.clamp(max=clip).sum(-1)
+    rows = ell.sum(-1)
+    return rows.clamp(max=clip) if clip_mode == "token" else rows
+
+
+def make(n=12, h=16, v=40, seed=0, dtype=torch.float64, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(n, h, generator=g, dtype=dtype) * scale
+    ht = hs + 0.5 * torch.randn(n, h, generator=g, dtype=dtype) * scale
+    w = torch.randn(v, h, generator=g, dtype=dtype) / h**0.5
+    y = torch.randint(0, v, (n,), generator=g)
+    return hs, ht, w, y
+
+
+def cases():
+    for beta, (cm, c) in itertools.product(BETAS, CLIPS):
+        yield dict(mode="jsd", beta=beta, clip_mode=cm, clip=c, topk=0)
+    for beta, (cm, c) in itertools.product([0.0, 0.5, 1.0], CLIPS):
+        yield dict(mode="topk", beta=beta, clip_mode=cm, clip=c, topk=5)
+    yield dict(mode="sampled", beta=0.0, clip_mode="none", clip=0.0, topk=0)
+
+
+CASES = list(cases())
+IDS = [f"{c['mode']}-b{c['beta']}-{c['clip_mode']}" for c in CASES]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=IDS)
+def test_dense_and_chunked_match_independent_formulation(kw):
+    hs, ht, w, y = make()
+    zs, zt = hs @ w.t(), ht @ w.t()
+    ref = independent(zs, zt, y, temperature=1.3, **kw)
+    dense = per_token_loss_dense(zs, zt, y, temperature=1.3, **kw)
+    torch.testing.assert_close(dense, ref, rtol=1e-10, atol=1e-12)
+    weights = torch.rand(hs.shape[0], dtype=torch.float64)
+    loss, _ = fused_linear_distill(hs, w, ht, w, weights, y, temperature=1.3, chunk_size=5, **kw)
+    torch.testing.assert_close(loss, (ref * weights).sum(), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw", CASES, ids=IDS)
+def test_chunked_gradients_match_dense_autograd(kw):
+    hs, ht, w, y = make(seed=1)
+    weights = torch.rand(hs.shape[0], dtype=torch.float64)
+    weights[3] = 0.0
+    hs1, w1 = hs.clone().requires_grad_(), w.clone().requires_grad_()
+    dense = distill_loss_dense(hs1 @ w1.t(), ht @ w1.t().detach(), weights, y, temperature=0.9, **kw)
+    dense.backward()
+    hs2, w2 = hs.clone().requires_grad_(), w.clone().requires_grad_()
+    loss, _ = fused_linear_distill(hs2, w2, ht, w2, weights, y, temperature=0.9, chunk_size=4, **kw)
+    loss.backward()
+    torch.testing.assert_close(loss, dense)
+    torch.testing.assert_close(hs2.grad, hs1.grad)
+    torch.testing.assert_close(w2.grad, w1.grad)
+
+
+@pytest.mark.parametrize("kw", CASES, ids=IDS)
+def test_gradcheck_chunked(kw):
+    hs, ht, w, y = make(n=5, h=4, v=9, seed=2)
+    wt = w + 0.1  # a separate teacher head, so the student weight gradient is only the student's
+    weights = torch.tensor([0.3, 0.0, 0.2, 0.4, 0.1], dtype=torch.float64)
+
+    def f(h, wgt):
+        return fused_linear_distill(h, wgt, ht, wt, weights, y, temperature=1.1, chunk_size=2, **kw)[0]
+
+    if kw["mode"] != "sampled":
+        assert torch.autograd.gradcheck(f, (hs.clone().requires_grad_(), w.clone().requires_grad_()))
+        return
+    # The sampled estimator is a surrogate: its advantage A is a constant of the step. Check the
+    # analytic gradient against central differences of -sum w A0 log S(y) with A0 held fixed.
+    zt = ht @ wt.t() / 1.1
+    a0 = (zt.log_softmax(-1) - (hs @ w.t() / 1.1).log_softmax(-1)).gather(-1, y[:, None])[:, 0]
+
+    def surrogate(h):
+        return -(weights * a0 * (h @ w.t() / 1.1).log_softmax(-1).gather(-1, y[:, None])[:, 0]).sum()
+
+    h = hs.clone().requires_grad_()
+    f(h, w).backward()
+    numeric = torch.zeros_like(hs)
+    for i, j in itertools.product(range(hs.shape[0]), range(hs.shape[1])):
+        e = torch.zeros_like(hs)
+        e[i, j] = 1e-6
+        numeric[i, j] = (surrogate(hs + e) - surrogate(hs - e)) / 2e-6
+    torch.testing.assert_close(h.grad, numeric, rtol=1e-5, atol=1e-7)
+
+
+def test_clip_semantics():
+    hs, ht, w, y = make(seed=3, scale=3.0)
+    zs, zt = hs @ w.t(), ht @ w.t()
+    raw = per_token_loss_dense(zs, zt, mode="jsd", beta=0.0)
+    tok = per_token_loss_dense(zs, zt, mode="jsd", beta=0.0, clip_mode="token", clip=0.2)
+    assert (raw > 0.2).any() and (raw < 0.2).any()
+    torch.testing.assert_close(tok, raw.clamp(max=0.2))
+    # a clipped token gets exactly zero gradient
+    zs_g = zs.clone().requires_grad_()
+    per_token_loss_dense(zs_g, zt, mode="jsd", beta=0.0, clip_mode="token", clip=0.2).sum().backward()
+    clipped = raw > 0.2
+    assert torch.all(zs_g.grad[clipped] == 0) and torch.all(zs_g.grad[~clipped].abs().sum(-1) > 0)
+    # entry clipping can make the per-token loss negative (forward-KL terms can be negative)
+    ent = per_token_loss_dense(zs, zt, mode="jsd", beta=0.0, clip_mode="entry", clip=0.0)
+    assert (ent < 0).all()
+    _, stats = fused_linear_distill(hs, w, ht, w, mode="jsd", clip_mode="token", clip=0.2)
+    assert stats.clipped == clipped.sum().item() and stats.clip_total == len(raw)
+
+
+def test_bf16_inputs_computed_in_fp32():
+    hs, ht, w, y = make(n=64, h=32, v=500, seed=4, dtype=torch.float32)
+    hb, tb, wb = hs.bfloat16(), ht.bfloat16(), w.bfloat16()
+    ref = independent(hb.double() @ wb.double().t(), tb.double() @ wb.double().t(), y,
+                      mode="jsd", beta=0.5, temperature=1.0, clip_mode="none", clip=0.0, topk=0).mean()
+    loss, _ = fused_linear_distill(hb, wb, tb, wb, beta=0.5)
+    assert loss.dtype == torch.float32
+    assert abs(loss.item() - ref.item()) / ref.item() < 1e-4
+    dense = distill_loss_dense(hb @ wb.t(), tb @ wb.t(), beta=0.5)
+    assert dense.dtype == torch.float32
+
+
+def test_stats_are_sums_over_tokens():
+    hs, ht, w, y = make(n=10, seed=5)
+    zs, zt = hs @ w.t(), ht @ w.t()
+    _, st = fused_linear_distill(hs, w, ht, w, mode="jsd", beta=0.0, chunk_size=3)
+    assert st.tokens == 10
+    torch.testing.assert_close(st.divergence, per_token_loss_dense(zs, zt).sum().item())
+    ent = -(zs.softmax(-1) * zs.log_softmax(-1)).sum()
+    torch.testing.assert_close(st.entropy_student, ent.item())
+    assert st.agree == (zs.argmax(-1) == zt.argmax(-1)).sum().item()
+
+
+def test_token_weights_make_accumulation_equal_one_big_batch():
+    hs, ht, w, y = make(n=16, seed=6)
+    mask = torch.ones(4, 4)
+    mask[0, 3] = mask[2, 2:] = 0
+    big_w = token_weights(mask).flatten()
+    full, _ = fused_linear_distill(hs, w, ht, w, big_w)
+    total_tokens = mask.sum().item()
+    parts = sum(
+        fused_linear_distill(hs[i : i + 8], w, ht[i : i + 8], w,
+                             token_weights(mask[i // 4 : i // 4 + 2], global_tokens=total_tokens).flatten())[0]
+        for i in (0, 8)
+    )
+    torch.testing.assert_close(parts, full)
+    seq_w = token_weights(mask, reduction="sequence")
+    torch.testing.assert_close(seq_w.sum(), torch.tensor(1.0))
+    torch.testing.assert_close(seq_w[0, 0], torch.tensor(1 / 3 / 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties
+
+
+small = st.integers(min_value=1, max_value=6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=small, v=st.integers(2, 30), beta=st.sampled_from(BETAS), seed=st.integers(0, 10_000),
+       t=st.floats(0.3, 3.0))
+def test_nonnegative_and_zero_at_equality(n, v, beta, seed, t):
+    g = torch.Generator().manual_seed(seed)
+    zs, zt = torch.randn(n, v, generator=g) * 3, torch.randn(n, v, generator=g) * 3
+    assert (per_token_loss_dense(zs, zt, beta=beta, temperature=t) >= -1e-6).all()
+    assert per_token_loss_dense(zs, zs, beta=beta, temperature=t).abs().max() < 1e-6
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), beta=st.sampled_from(BETAS), mode=st.sampled_from(["jsd", "topk", "sampled"]))
+def test_masked_tokens_change_nothing(seed, beta, mode):
+    hs, ht, w, y = make(n=8, seed=seed, dtype=torch.float32)
+    weights = torch.tensor([1.0, 0, 1, 1, 0, 1, 1, 0]) / 5
+    kw = dict(mode=mode, beta=beta, topk=3)
+    hs1 = hs.clone().requires_grad_()
+    a, _ = fused_linear_distill(hs1, w, ht, w, weights, y, **kw)
+    a.backward()
+    hs2 = hs.clone()
+    hs2[weights == 0] = 1e4 * torch.randn_like(hs2[weights == 0])
+    hs2.requires_grad_()
+    ht2 = ht.clone()
+    ht2[weights == 0] = float("nan")
+    b, _ = fused_linear_distill(hs2, w, ht2, w, weights, y, **kw)
+    b.backward()
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(hs1.grad, hs2.grad)
+    assert torch.all(hs2.grad[weights == 0] == 0)
+    dense = distill_loss_dense(hs2 @ w.t(), ht2 @ w.t(), weights, y, **kw)
+    torch.testing.assert_close(dense, a)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), beta=st.sampled_from(BETAS), clip=st.sampled_from(CLIPS))
+def test_finite_for_huge_logits(seed, beta, clip):
+    g = torch.Generator().manual_seed(seed)
+    zs = torch.randint(-1, 2, (6, 20), generator=g).float() * 1e4
+    zt = torch.randint(-1, 2, (6, 20), generator=g).float() * 1e4
+    zs.requires_grad_()
+    loss = distill_loss_dense(zs, zt, beta=beta, clip_mode=clip[0], clip=clip[1])
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(zs.grad).all()
+    head = torch.eye(20) * 1e4  # hidden states equal to the logits / 1e4
+    hs = (zs.detach() / 1e4).requires_grad_()
+    loss2, _ = fused_linear_distill(hs, head, zt / 1e4, head, beta=beta, clip_mode=clip[0], clip=clip[1])
+    loss2.backward()
+    assert torch.isfinite(loss2) and torch.isfinite(hs.grad).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 20), chunk=st.integers(1, 25), seed=st.integers(0, 10_000),
+       mode=st.sampled_from(["jsd", "topk", "sampled"]), beta=st.sampled_from(BETAS), clip=st.sampled_from(CLIPS))
+def test_chunked_equals_dense_for_any_chunk_size(n, chunk, seed, mode, beta, clip):
+    if mode == "sampled":
+        clip = ("none", 0.0)
+    hs, ht, w, y = make(n=n, seed=seed)
+    kw = dict(mode=mode, beta=beta, topk=4, clip_mode=clip[0], clip=clip[1])
+    loss, _ = fused_linear_distill(hs, w, ht, w, None, y, chunk_size=chunk, **kw)
+    torch.testing.assert_close(loss, distill_loss_dense(hs @ w.t(), ht @ w.t(), None, y, **kw))
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad arguments
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(beta=1.5), "beta must be in"),
+        (dict(beta=-0.1), "beta must be in"),
+        (dict(temperature=0.0), "temperature must be > 0"),
+        (dict(clip_mode="entry", clip=-1.0), "clip must be >= 0"),
+        (dict(clip_mode="sometimes"), "clip_mode must be one of"),
+        (dict(mode="topk", topk=41), "exceeds the vocabulary size V=40"),
+        (dict(mode="topk", topk=0), "topk must be >= 1"),
+        (dict(mode="nope"), "loss mode must be one of"),
+        (dict(mode="sampled", clip_mode="token", clip=1.0), "clip_mode must be 'none'"),
+    ],
+)
+def test_bad_arguments(kw, match):
+    hs, ht, w, y = make()
+    with pytest.raises(ValueError, match=match):
+        fused_linear_distill(hs, w, ht, w, None, y, **kw)
+    with pytest.raises(ValueError, match=match):
+        distill_loss_dense(hs @ w.t(), ht @ w.t(), None, y, **kw)
+
+
+def test_shape_errors():
+    hs, ht, w, y = make()
+    with pytest.raises(ValueError, match="vocab size mismatch"):
+        fused_linear_distill(hs, w, ht, w[:-1])
+    with pytest.raises(ValueError, match="vocab size mismatch"):
+        distill_loss_dense(hs @ w.t(), ht @ w[:-1].t())
+    with pytest.raises(ValueError, match="rows"):
+        fused_linear_distill(hs, w, ht[:-1], w)
+    with pytest.raises(ValueError, match=r"\[V, H\]"):
+        fused_linear_distill(hs, w[:, :-1], ht, w)
+    with pytest.raises(ValueError, match="weights must have shape"):
+        fused_linear_distill(hs, w, ht, w, torch.ones(3))
+    with pytest.raises(ValueError, match="targets"):
+        fused_linear_distill(hs, w, ht, w, mode="sampled")
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocab-parallel over 2 gloo processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _vp_worker(rank: int, world: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    hs, ht, w, _ = make(n=7, v=40, seed=7)
+    weights = torch.rand(7, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    out = {}
+    for beta, (cm, c) in itertools.product([0.0, 0.5, 1.0], CLIPS):
+        zs = (hs @ w.t()).detach()
+        zt = ht @ w.t()
+        shard = slice(rank * 20, (rank + 1) * 20)
+        zs_shard = zs[:, shard].clone().requires_grad_()
+        loss = vocab_parallel_distill(zs_shard, zt[:, shard], weights, beta=beta, temperature=1.2,
+                                      clip_mode=cm, clip=c)
+        loss.backward()
+        out[(beta, cm)] = (loss.item(), zs_shard.grad.clone())
+    results[rank] = out
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_matches_dense_over_two_gloo_processes():
+    ctx = torch.multiprocessing.get_context("spawn")
+    manager = ctx.Manager()
+    results = manager.dict()
+    torch.multiprocessing.start_processes(_vp_worker, args=(2, _free_port(), results), nprocs=2,
+                                          start_method="spawn", join=True)
+    hs, ht, w, _ = make(n=7, v=40, seed=7)
+    weights = torch.rand(7, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    for beta, (cm, c) in itertools.product([0.0, 0.5, 1.0], CLIPS):
+        zs = (hs @ w.t()).detach().requires_grad_()
+        dense = distill_loss_dense(zs, ht @ w.t(), weights, beta=beta, temperature=1.2, clip_mode=cm, clip=c)
+        dense.backward()
+        for rank in (0, 1):
+            loss, grad = results[rank][(beta, cm)]
+            assert abs(loss - dense.item()) < 1e-10, (beta, cm, rank)
+            torch.testing.assert_close(grad, zs.grad[:, rank * 20 : (rank + 1) * 20])
