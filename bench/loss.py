@@ -1,0 +1,217 @@
+"""Forward+backward of the distillation loss: opsd's chunked loss vs naive dense vs Liger.
+
+Each (shape, N, implementation) runs in a fresh subprocess so that peak memory is its own:
+on CPU the peak resident set size above the RSS just after the inputs exist; on CUDA
+``max_memory_allocated`` above the inputs. The student weight requires grad (full fine-tuning,
+the harder case), beta=0.5, T=1.0, fp32 inputs. Writes a table into docs/benchmarks.md.
+
+    python bench/loss.py                 # all shapes
+    python bench/loss.py --quick         # SmolLM2 shape, N=256 and 1024 (the README's smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _md import write_section  # noqa: E402
+
+SHAPES = {"SmolLM2-135M": (576, 49152), "Qwen3-1.7B": (2048, 151936)}
+NS = (256, 1024, 4096)
+IMPLS = ("opsd-chunked", "naive", "liger")
+BETA = 0.5
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _inputs(n: int, h: int, v: int, device: str, dtype=torch.float32):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hs = torch.randn(n, h, generator=g).to(device, dtype)
+    ht = (hs.float().cpu() + 0.3 * torch.randn(n, h, generator=g)).to(device, dtype)
+    w = (torch.randn(v, h, generator=g) / h**0.5).to(device, dtype)
+    y = torch.randint(0, v, (n,), generator=g).to(device)
+    return hs, ht, w, y
+
+
+def _run_once(impl: str, hs, ht, w, y) -> float:
+    from opsd.loss import distill_loss_dense, fused_linear_distill
+
+    hs = hs.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    if impl == "opsd-chunked":
+        loss, _ = fused_linear_distill(hs, w, ht, w, beta=BETA, with_stats=False)
+    elif impl == "naive":
+        loss = distill_loss_dense(hs @ w.t(), ht @ w.t().detach(), beta=BETA)
+    else:
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        fn = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, compiled=False)
+        loss = fn(hs, w, ht, w.detach(), y)
+    loss.backward()
+    return float(loss)
+
+
+def child(impl: str, h: int, v: int, n: int, device: str, reps: int) -> dict:
+    """Time and measure one configuration; runs inside its own process."""
+    torch.manual_seed(0)
+    hs, ht, w, y = _inputs(n, h, v, device)
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = _rss_bytes()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        loss = _run_once(impl, hs, ht, w, y)
+        sync()
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    best = min(times[1:]) if len(times) > 1 else times[0]
+    return {"impl": impl, "h": h, "v": v, "n": n, "time_s": best, "peak_mb": peak / 2**20, "loss": loss}
+
+
+def bf16_accuracy(device: str) -> float:
+    """Relative error of the chunked loss on bf16 inputs vs float64 on the same (bf16) values."""
+    from opsd.loss import distill_loss_dense, fused_linear_distill
+
+    hs, ht, w, _ = _inputs(512, 576, 49152, device, torch.bfloat16)
+    got, _ = fused_linear_distill(hs, w, ht, w, beta=BETA, with_stats=False)
+    ref = distill_loss_dense(hs.double() @ w.double().t(), ht.double() @ w.double().t(), beta=BETA)
+    return abs(got.item() - ref.item()) / abs(ref.item())
+
+
+def _naive_fits(n: int, v: int, device: str) -> bool:
+    need = 10 * n * v * 4  # logits, log-probs, probs, mixtures, grads: about ten [N, V] fp32 buffers
+    if device == "cuda":
+        return need < 0.8 * torch.cuda.get_device_properties(0).total_memory
+    import psutil
+
+    return need < 0.6 * psutil.virtual_memory().available
+
+
+def _have_liger() -> bool:
+    try:
+        import liger_kernel.chunked_loss  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        name = torch.cuda.get_device_name(0)
+    else:
+        name = next(
+            (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+            platform.processor(),
+        )
+    return (
+        f"{name}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, Python {platform.python_version()}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="SmolLM2 shape, N=256 and 1024 only; no file written")
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--ns", nargs="*", type=int, default=list(NS))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(**json.loads(args.child))))
+        return
+    shapes, ns = (["SmolLM2-135M"], [256, 1024]) if args.quick else (args.shapes, args.ns)
+    impls = [i for i in IMPLS if i != "liger" or _have_liger()]
+    rows = []
+    for shape in shapes:
+        h, v = SHAPES[shape]
+        for n in ns:
+            for impl in impls:
+                if impl == "naive" and not _naive_fits(n, v, args.device):
+                    rows.append({"impl": impl, "h": h, "v": v, "n": n, "skipped": "does not fit in memory"})
+                    print(f"{shape} N={n} {impl}: skipped (memory)", flush=True)
+                    continue
+                reps = 3 if n * v < 2e8 else 2
+                spec = json.dumps(dict(impl=impl, h=h, v=v, n=n, device=args.device, reps=reps))
+                out = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True)
+                if out.returncode != 0:
+                    rows.append({"impl": impl, "h": h, "v": v, "n": n, "skipped": out.stderr.strip()[-200:]})
+                    print(f"{shape} N={n} {impl}: FAILED {out.stderr[-500:]}", flush=True)
+                    continue
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                r["shape"] = shape
+                rows.append(r)
+                print(f"{shape} N={n} {impl}: {r['time_s']:.3f}s peak {r['peak_mb']:.0f} MB loss {r['loss']:.6f}",
+                      flush=True)
+    err = bf16_accuracy(args.device)
+    print(f"bf16 inputs vs float64 reference: relative error {err:.2e}")
+    if args.quick:
+        return
+    write_section(Path(args.out), f"Loss ({args.device}, bench/loss.py)", render(rows, err, args.device))
+    print(f"wrote {args.out}")
+
+
+def render(rows: list[dict], bf16_err: float, device: str) -> str:
+    by = {(r["v"], r["n"], r["impl"]): r for r in rows}
+    lines = [
+        f"Machine: {machine(device)}.",
+        "",
+        f"Forward + backward, fp32 inputs, beta={BETA}, T=1, student weight requires grad. Peak memory is above "
+        "the inputs (CPU: peak RSS; CUDA: max allocated). Liger runs `LigerFusedLinearJSDLoss` with "
+        "`compiled=False`, `weight_hard_loss=0`.",
+        "",
+        "| shape (H, V) | N | impl | time (s) | peak mem (MB) | speed-up vs naive |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        name = next(k for k, (h, v) in SHAPES.items() if v == r["v"])
+        if "skipped" in r:
+            lines.append(f"| {name} ({r['h']}, {r['v']}) | {r['n']} | {r['impl']} | - | - | {r['skipped']} |")
+            continue
+        naive = by.get((r["v"], r["n"], "naive"))
+        speed = f"{naive['time_s'] / r['time_s']:.2f}x" if naive and "time_s" in naive else "-"
+        lines.append(
+            f"| {name} ({r['h']}, {r['v']}) | {r['n']} | {r['impl']} | {r['time_s']:.3f} | "
+            f"{r['peak_mb']:.0f} | {speed} |"
+        )
+    lines += ["", "Targets:", ""]
+    for name, (_h, v) in SHAPES.items():
+        a, b = by.get((v, 256, "opsd-chunked")), by.get((v, 4096, "opsd-chunked"))
+        if a and b and "peak_mb" in a and "peak_mb" in b:
+            lines.append(f"- {name}: chunked peak at N=4096 / N=256 = {b['peak_mb'] / a['peak_mb']:.2f}x (target <= 1.2x)")
+        c, nv = by.get((v, 1024, "opsd-chunked")), by.get((v, 1024, "naive"))
+        if c and nv and "time_s" in nv:
+            lines.append(f"- {name}: N=1024 speed-up over naive {nv['time_s'] / c['time_s']:.2f}x (target >= 2x)")
+        lg = by.get((v, 1024, "liger"))
+        if c and lg and "time_s" in lg:
+            lines.append(f"- {name}: N=1024 Liger time / opsd time = {lg['time_s'] / c['time_s']:.2f}x (target >= 1x)")
+    lines.append(f"- bf16 inputs: relative error vs float64 reference on the same values = {bf16_err:.1e} "
+                 "(target <= 1e-4)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,599 @@
+"""opsd.data: loading every source kind and every bad input, the cursor, prompts, alignment, packing."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opsd import data
+from opsd.data import (
+    DEFAULT_INSTRUCTION,
+    DEFAULT_TEACHER_TEMPLATE,
+    DataCursor,
+    Sample,
+    check_alignment,
+    load_examples,
+    make_sample,
+    pack_microbatches,
+    raw_splice_teacher_ids,
+    student_prompt_ids,
+    teacher_prompt_ids,
+)
+from opsd.models import build_tiny_tokenizer
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+ROWS = [
+    {"problem": "What is 2 + 3?", "solution": "2 + 3 = 5.", "answer": "5"},
+    {"problem": "What is 4 * 6?", "solution": "4 * 6 = 24.", "answer": "24"},
+    {"problem": "What is 9 - 7?", "solution": "9 - 7 = 2.", "answer": "2"},
+]
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def load_quiet(source, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_examples(str(source), **kw)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources
+
+
+def _check_rows(report, source) -> None:
+    assert [e.problem for e in report.examples] == [r["problem"] for r in ROWS]
+    assert [e.solution for e in report.examples] == [r["solution"] for r in ROWS]
+    assert [e.answer for e in report.examples] == [r["answer"] for r in ROWS]
+    assert [e.row for e in report.examples] == [0, 1, 2]
+    assert (report.skipped_bad, report.empty_solution, report.dropped_empty) == (0, 0, 0)
+    assert report.source == str(source)
+
+
+@pytest.mark.parametrize(
+    "kind", ["jsonl", "json_array", "json_lines", "parquet", "csv", "saved", "saved_dict"]
+)
+def test_every_source_kind_loads(tmp_path: Path, kind: str) -> None:
+    import datasets
+
+    ds = datasets.Dataset.from_list(ROWS)
+    if kind == "jsonl":
+        src = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    elif kind == "json_array":
+        src = tmp_path / "d.json"
+        src.write_text(json.dumps(ROWS))
+    elif kind == "json_lines":
+        src = write_jsonl(tmp_path / "d.json", ROWS)
+    elif kind == "parquet":
+        src = tmp_path / "d.parquet"
+        ds.to_parquet(str(src))
+    elif kind == "csv":
+        src = tmp_path / "d.csv"
+        ds.to_csv(str(src), index=False)
+    elif kind == "saved":
+        src = tmp_path / "saved"
+        ds.save_to_disk(str(src))
+    else:
+        src = tmp_path / "saved_dict"
+        datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(src))
+    _check_rows(load_examples(str(src), answer_key="answer"), src)
+
+
+def test_saved_dataset_dict_split(tmp_path: Path) -> None:
+    import datasets
+
+    ds = datasets.Dataset.from_list(ROWS)
+    datasets.DatasetDict({"train": ds, "test": ds.select([2])}).save_to_disk(str(tmp_path / "dd"))
+    report = load_examples(str(tmp_path / "dd"), split="test")
+    assert [e.problem for e in report.examples] == [ROWS[2]["problem"]]
+    with pytest.raises(ValueError, match=r"no split 'validation'.*\['test', 'train'\]"):
+        load_examples(str(tmp_path / "dd"), split="validation")
+
+
+def test_csv_keeps_text_and_multiline_values(tmp_path: Path) -> None:
+    import datasets
+
+    rows = [
+        {"problem": "Line one\nline two, with a comma", "solution": 'He said "hi".\nDone.', "answer": "007"}
+    ]
+    datasets.Dataset.from_list(rows).to_csv(str(tmp_path / "d.csv"), index=False)
+    ex = load_examples(str(tmp_path / "d.csv"), answer_key="answer").examples[0]
+    assert (ex.problem, ex.solution, ex.answer) == (rows[0]["problem"], rows[0]["solution"], "007")
+
+
+def test_messages_problem(tmp_path: Path) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 1?"}]
+    src = write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs, "solution": "2"}])
+    ex = load_examples(str(src), problem_key="messages").examples[0]
+    assert ex.problem == msgs
+
+
+def test_messages_problem_from_parquet(tmp_path: Path) -> None:
+    import datasets
+
+    msgs = [{"role": "user", "content": "What is 1 + 1?"}]
+    datasets.Dataset.from_list([{"messages": msgs, "solution": "2"}]).to_parquet(str(tmp_path / "m.parquet"))
+    assert load_examples(str(tmp_path / "m.parquet"), problem_key="messages").examples[0].problem == msgs
+
+
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ([], "empty messages list"),
+        ([{"role": "user"}], "message 0 needs a string 'content'"),
+        (["hi"], "message 0 must be a"),
+        ([{"role": "system", "content": "x"}], "no 'user' message"),
+    ],
+)
+def test_bad_messages_shape(tmp_path: Path, messages: list, match: str) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages, "solution": "s"}])
+    with pytest.raises(ValueError, match=match):
+        load_examples(str(src), problem_key="messages")
+
+
+def test_numeric_answers_become_strings_and_gsm8k_raw(tmp_path: Path) -> None:
+    rows = [
+        {"question": "q1", "answer": 72},
+        {"question": "q2", "answer": 3.0},
+        {"question": "q3", "answer": 0.5},
+        {"question": "q4", "answer": "She makes 9 * 2 = 18.\n#### 18"},
+    ]
+    src = write_jsonl(tmp_path / "gsm.jsonl", rows)
+    report = load_examples(str(src), problem_key="question", solution_key=None, answer_key="answer")
+    assert [e.answer for e in report.examples] == ["72", "3", "0.5", "She makes 9 * 2 = 18.\n#### 18"]
+    # solution_key=None: external-teacher mode, no privileged info and no empty-solution warning
+    assert all(e.solution == "" for e in report.examples)
+    assert report.empty_solution == 0
+
+
+def test_hub_name_offline_fails_fast_and_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data, "_hub_reachable", lambda timeout_s=5.0: False)
+
+    def never(*a, **k):
+        raise AssertionError("load_dataset must not be called when the hub is unreachable")
+
+    monkeypatch.setattr("datasets.load_dataset", never)
+    with pytest.raises(
+        ConnectionError, match=r"'someone/gsm8k:main'.*hub dataset name.*unreachable.*local .*file"
+    ):
+        load_examples("someone/gsm8k:main")
+
+
+def test_hub_name_offline_mode_cache_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(data, "_hub_reachable", lambda timeout_s=5.0: pytest.fail("no probe in offline mode"))
+    with pytest.raises(ConnectionError, match=r"'opsd-test/no-such-dataset-xyz'.*local .*file"):
+        load_examples("opsd-test/no-such-dataset-xyz")
+
+
+def test_missing_path_is_not_taken_for_a_hub_name(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_examples(str(tmp_path / "nope.jsonl"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_missing_field_names_file_row_and_keys(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], {"problem": "p", "sol": "s"}])
+    with pytest.raises(ValueError) as info:
+        load_examples(str(src))
+    msg = str(info.value)
+    assert str(src) in msg and "line 2 (row 1)" in msg and "'solution'" in msg and "['problem', 'sol']" in msg
+
+
+def test_missing_column_in_parquet(tmp_path: Path) -> None:
+    import datasets
+
+    datasets.Dataset.from_list([{"question": "q", "solution": "s"}]).to_parquet(str(tmp_path / "d.parquet"))
+    with pytest.raises(
+        ValueError, match=r"d\.parquet: row 0: missing field 'problem'; available keys: \['question'"
+    ):
+        load_examples(str(tmp_path / "d.parquet"))
+
+
+def test_non_string_value_names_key_and_type(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], ROWS[1], {"problem": "p", "solution": 17}])
+    with pytest.raises(
+        ValueError, match=r"d\.jsonl: line 3 \(row 2\): field 'solution' must be a string, got int"
+    ):
+        load_examples(str(src))
+    src = write_jsonl(tmp_path / "e.jsonl", [{"problem": {"text": "p"}, "solution": "s"}])
+    with pytest.raises(
+        ValueError, match="field 'problem' must be a string or a chat messages list, got dict"
+    ):
+        load_examples(str(src))
+    src = write_jsonl(tmp_path / "f.jsonl", [{"problem": "p", "solution": "s", "answer": [1]}])
+    with pytest.raises(ValueError, match="field 'answer' must be a string or a number, got list"):
+        load_examples(str(src), answer_key="answer")
+
+
+@pytest.mark.parametrize("name", ["e.jsonl", "e.json", "e.csv", "e.parquet"])
+def test_empty_file(tmp_path: Path, name: str) -> None:
+    (tmp_path / name).write_text("")
+    with pytest.raises(ValueError, match="empty file"):
+        load_examples(str(tmp_path / name))
+
+
+def test_blank_lines_only_and_header_only(tmp_path: Path) -> None:
+    (tmp_path / "b.jsonl").write_text("\n  \n")
+    with pytest.raises(ValueError, match="empty file"):
+        load_examples(str(tmp_path / "b.jsonl"))
+    (tmp_path / "h.csv").write_text("problem,solution\n")
+    with pytest.raises(ValueError, match="no rows"):
+        load_examples(str(tmp_path / "h.csv"))
+
+
+def test_malformed_jsonl_line_number_and_skip_count(tmp_path: Path) -> None:
+    src = tmp_path / "d.jsonl"
+    lines = [
+        json.dumps(ROWS[0]),
+        "",
+        json.dumps(ROWS[1]),
+        '{"problem": "broken", ',
+        json.dumps(ROWS[2]),
+        "[1, 2]",
+    ]
+    src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"d\.jsonl: line 4 \(row 2\): malformed JSON"):
+        load_examples(str(src))
+    with pytest.warns(UserWarning, match="skipped 2 bad rows"):
+        report = load_examples(str(src), skip_bad_rows=True)
+    assert report.skipped_bad == 2
+    assert [e.row for e in report.examples] == [0, 1, 3]
+    assert [e.problem for e in report.examples] == [r["problem"] for r in ROWS]
+
+
+def test_skip_bad_rows_counts_every_kind(tmp_path: Path) -> None:
+    rows = [
+        ROWS[0],
+        {"problem": "p"},  # missing solution
+        {"problem": 3, "solution": "s"},  # non-string problem
+        {"problem": "  ", "solution": "s"},  # empty problem
+        {"problem": "p", "solution": None},  # null
+        {"problem": "no answer", "solution": "s"},  # missing answer with require_answer
+        {"problem": "blank answer", "solution": "s", "answer": " "},  # blank answer = missing
+        ROWS[1],
+    ]
+    src = write_jsonl(tmp_path / "d.jsonl", rows)
+    report = load_quiet(src, skip_bad_rows=True, answer_key="answer", require_answer=True)
+    assert report.skipped_bad == 6
+    assert [e.row for e in report.examples] == [0, 7]
+    report = load_quiet(src, skip_bad_rows=True, answer_key="answer")  # answer optional now
+    assert report.skipped_bad == 4
+    assert [e.answer for e in report.examples] == ["5", None, None, "24"]
+
+
+def test_require_answer_without_skip_raises(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [{"problem": "p", "solution": "s"}])
+    with pytest.raises(
+        ValueError, match=r"missing field 'answer'; available keys: \['problem', 'solution'\]"
+    ):
+        load_examples(str(src), answer_key="answer", require_answer=True)
+    with pytest.warns(UserWarning, match="1 of 1 rows have no 'answer'"):
+        assert load_examples(str(src), answer_key="answer").examples[0].answer is None
+
+
+def test_all_rows_bad_is_an_error_even_when_skipping(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "d.jsonl", [{"q": "p"}, {"q": "r"}])
+    with pytest.raises(ValueError, match=r"no usable rows.*2 skipped as bad.*missing field 'problem'"):
+        load_quiet(src, skip_bad_rows=True)
+
+
+def test_malformed_csv_row(tmp_path: Path) -> None:
+    src = tmp_path / "d.csv"
+    src.write_text('problem,solution\n"a",b\n"c",d,extra\n"e",f\n')
+    with pytest.raises(ValueError, match=r"d\.csv: could not read CSV.*Expected 2 columns"):
+        load_examples(str(src))
+    report = load_quiet(src, skip_bad_rows=True)
+    assert report.skipped_bad == 1
+    assert [e.problem for e in report.examples] == ["a", "e"]
+
+
+def test_empty_solution_warns_with_count_and_drop(tmp_path: Path) -> None:
+    rows = [ROWS[0], {"problem": "p1", "solution": ""}, {"problem": "p2", "solution": "  \n"}, ROWS[1]]
+    src = write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.warns(UserWarning, match="2 of 4 rows have an empty 'solution'"):
+        report = load_examples(str(src))
+    assert (report.empty_solution, report.dropped_empty, len(report.examples)) == (2, 0, 4)
+    with pytest.warns(UserWarning, match="2 of 4 rows have an empty 'solution'.*dropped them"):
+        report = load_examples(str(src), drop_empty_solution=True)
+    assert (report.empty_solution, report.dropped_empty) == (2, 2)
+    assert [e.row for e in report.examples] == [0, 3]
+
+
+def test_conflicting_options() -> None:
+    with pytest.raises(ValueError, match="drop_empty_solution"):
+        load_examples("x.jsonl", solution_key=None, drop_empty_solution=True)
+    with pytest.raises(ValueError, match="require_answer"):
+        load_examples("x.jsonl", require_answer=True)
+
+
+def test_not_a_saved_dataset_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a Hugging Face datasets directory"):
+        load_examples(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cursor
+
+
+def test_cursor_deterministic_and_epochs() -> None:
+    a, b = DataCursor(10, seed=3), DataCursor(10, seed=3)
+    draws = [a.next_indices(4) for _ in range(5)]  # 20 indices = exactly 2 epochs
+    assert draws == [b.next_indices(4) for _ in range(5)]
+    flat = [i for d in draws for i in d]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
+    assert flat[:10] != flat[10:]  # a new permutation each epoch
+    assert flat[:10] != list(range(10))
+    assert a.epoch == 2
+    assert DataCursor(10, seed=4).next_indices(10) != flat[:10]
+    assert DataCursor(10, seed=3, shuffle=False).next_indices(12) == [*range(10), 0, 1]
+
+
+def test_cursor_epoch_boundary_is_seamless() -> None:
+    c = DataCursor(7, seed=0)
+    first = c.next_indices(5)
+    second = c.next_indices(5)  # 2 from epoch 0, 3 from epoch 1
+    assert c.epoch == 1
+    assert sorted(first + second[:2]) == list(range(7))
+    whole = DataCursor(7, seed=0).next_indices(10)
+    assert whole == first + second
+
+
+def test_cursor_sharding_disjoint_and_covering() -> None:
+    world = 3
+    cursors = [DataCursor(24, seed=5, rank=r, world_size=world) for r in range(world)]
+    single = DataCursor(24, seed=5)
+    for _ in range(2):  # two global batches of 4 * 3 = 12 inside epoch 0
+        parts = [c.next_indices(4) for c in cursors]
+        assert sum(parts, []) == single.next_indices(12)  # rank r takes slice [r*k, (r+1)*k)
+        assert len(set(sum(parts, []))) == 12
+    assert all(c.state_dict() == cursors[0].state_dict() for c in cursors)
+
+
+def test_cursor_exact_resume() -> None:
+    c = DataCursor(13, seed=11, rank=1, world_size=2)
+    for _ in range(3):
+        c.next_indices(4)
+    state = json.loads(json.dumps(c.state_dict()))  # survives serialisation
+    expected = [c.next_indices(4) for _ in range(5)]
+    fresh = DataCursor(13, seed=11, rank=1, world_size=2)
+    fresh.load_state_dict(state)
+    assert [fresh.next_indices(4) for _ in range(5)] == expected
+    assert fresh.epoch == c.epoch
+
+
+def test_cursor_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_examples"):
+        DataCursor(0, seed=0)
+    with pytest.raises(ValueError, match="rank"):
+        DataCursor(5, seed=0, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="k must be > 0"):
+        DataCursor(5, seed=0).next_indices(0)
+    with pytest.raises(ValueError, match="this dataset has 6"):
+        DataCursor(6, seed=0).load_state_dict(DataCursor(5, seed=0).state_dict())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prompts
+
+QWEN3_LIKE = (
+    "{%- for m in messages -%}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- elif enable_thinking is defined and enable_thinking is true -%}{{ '<think>\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def qwen_tok():
+    t = build_tiny_tokenizer()
+    t.chat_template = QWEN3_LIKE
+    return t
+
+
+def text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids)
+
+
+def test_student_and_teacher_prompts(tok) -> None:
+    problem, solution = "What is 12 + 30?", "We add: 12 + 30 = 42, so \\boxed{42}."
+    s_ids, s_trunc = student_prompt_ids(tok, problem)
+    t_ids, t_trunc = teacher_prompt_ids(tok, problem, solution)
+    assert not s_trunc and not t_trunc
+    assert all(type(i) is int for i in s_ids + t_ids)
+    s, t = text(tok, s_ids), text(tok, t_ids)
+    assert s == f"<|im_start|>user\n{problem}\n\n{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+    assert solution not in s and problem in s
+    assert problem in t and solution in t and DEFAULT_INSTRUCTION in t
+    assert "BEGIN REFERENCE SOLUTION" in t and "END REFERENCE SOLUTION" in t and "own reasoning" in t
+    assert t.endswith(f"{DEFAULT_INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+    assert t.count("<|im_start|>") == 2  # one user turn + the generation prompt
+
+
+def test_prompt_with_messages_problem(tok) -> None:
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "What is 1 + 1?"},
+    ]
+    s = text(tok, student_prompt_ids(tok, msgs, instruction="Box it.")[0])
+    assert s.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+    assert s.endswith("<|im_start|>user\nWhat is 1 + 1?\n\nBox it.<|im_end|>\n<|im_start|>assistant\n")
+    t = text(tok, teacher_prompt_ids(tok, msgs, "It is 2.", instruction="Box it.")[0])
+    assert "<|im_start|>user\nHi<|im_end|>" in t and "It is 2." in t and "What is 1 + 1?" in t
+    assert msgs[3]["content"] == "What is 1 + 1?"  # the caller's list is not mutated
+
+
+def test_custom_template_and_bad_templates(tok) -> None:
+    ids, _ = teacher_prompt_ids(
+        tok, "P?", "S.", template="Q: {problem}\nRef: {solution}\n{instruction}", instruction="I."
+    )
+    assert text(tok, ids) == "<|im_start|>user\nQ: P?\nRef: S.\nI.<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match=r"must contain the field \{solution\}"):
+        teacher_prompt_ids(tok, "P?", "S.", template="{problem} {instruction}")
+    with pytest.raises(ValueError, match=r"unknown field \{answer\}"):
+        teacher_prompt_ids(tok, "P?", "S.", template="{problem} {solution} {answer}")
+    with pytest.raises(ValueError, match=r"unknown field \{\}"):
+        teacher_prompt_ids(tok, "P?", "S.", template="{problem} {solution} \\boxed{}")
+    assert "{solution}" in DEFAULT_TEACHER_TEMPLATE and "{problem}" in DEFAULT_TEACHER_TEMPLATE
+
+
+@pytest.mark.parametrize("flag", [None, True, False])
+def test_enable_thinking_with_and_without_template_support(tok, qwen_tok, flag) -> None:
+    plain = text(tok, student_prompt_ids(tok, "P?", enable_thinking=flag)[0])
+    assert plain.endswith("<|im_start|>assistant\n")  # a template without the flag ignores it
+    q = text(qwen_tok, student_prompt_ids(qwen_tok, "P?", enable_thinking=flag)[0])
+    qt = text(qwen_tok, teacher_prompt_ids(qwen_tok, "P?", "S", enable_thinking=flag)[0])
+    tail = {None: "<|im_start|>assistant\n", True: "<|im_start|>assistant\n<think>\n", False: "</think>\n\n"}[
+        flag
+    ]
+    assert q.endswith(tail) and qt.endswith(tail)
+    if flag is None:
+        assert "<think>" not in q  # None means the kwarg is not passed at all
+
+
+def test_truncation_keeps_structure_and_is_flagged(tok) -> None:
+    problem = "Long preamble. " * 40 + "What is 2 + 2?"
+    solution = "Step. " * 60 + "\\boxed{4}"
+    full_s, _ = student_prompt_ids(tok, problem)
+    full_t, _ = teacher_prompt_ids(tok, problem, solution)
+    s_ids, s_trunc = student_prompt_ids(tok, problem, max_len=len(full_s) - 20)
+    assert s_trunc and len(s_ids) <= len(full_s) - 20
+    s = text(tok, s_ids)
+    assert s.startswith("<|im_start|>user\n... ") and s.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert "What is 2 + 2?" in s and DEFAULT_INSTRUCTION in s
+
+    # the solution is cut first; the problem stays whole while cutting the solution suffices
+    t_ids, t_trunc = teacher_prompt_ids(tok, problem, solution, max_len=len(full_t) - 30)
+    t = text(tok, t_ids)
+    assert t_trunc and len(t_ids) <= len(full_t) - 30
+    assert problem in t and "\\boxed{4}" in t and solution not in t
+    assert t.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+    # count over a batch, as the trainer reports it
+    flags = [student_prompt_ids(tok, p, max_len=len(full_s) - 5)[1] for p in [problem, "Short?", problem]]
+    assert sum(flags) == 2
+    with pytest.raises(ValueError, match="max_len=5 is too small"):
+        student_prompt_ids(tok, problem, max_len=5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Aligned samples
+
+
+def test_make_sample_alignment() -> None:
+    s = make_sample([1, 2, 3], [1, 2, 9, 9, 3], [7, 8, 2], example_index=4, finish_reason="stop")
+    assert s.student_ids == [1, 2, 3, 7, 8, 2] and s.teacher_ids == [1, 2, 9, 9, 3, 7, 8, 2]
+    assert s.response_len == 3 and s.student_ids[-3:] == s.teacher_ids[-3:] == [7, 8, 2]
+    with pytest.raises(ValueError, match="empty response"):
+        make_sample([1], [1], [], 0, "stop")
+    with pytest.raises(ValueError, match="finish_reason"):
+        make_sample([1], [1], [2], 0, "eos")
+
+
+def test_alignment_check_raises_on_mismatch() -> None:
+    bad = Sample(
+        student_ids=[1, 2, 5, 6],
+        teacher_ids=[1, 3, 3, 5, 7],
+        response_len=2,
+        example_index=9,
+        finish_reason="stop",
+    )
+    with pytest.raises(
+        ValueError, match=r"example 9: .*differ at response position 1 \(student token 6, teacher token 7\)"
+    ):
+        check_alignment(bad)
+    too_long = Sample([1, 2], [1, 2, 3], response_len=3, example_index=1, finish_reason="length")
+    with pytest.raises(ValueError, match="does not fit"):
+        check_alignment(too_long)
+
+
+def test_raw_splice() -> None:
+    assert raw_splice_teacher_ids([1, 2], [5, 6, 7]) == [1, 2, 5, 6, 7]
+    sample = make_sample([1, 2], raw_splice_teacher_ids([1, 2], [5, 6]), [9], 0, "length")
+    assert sample.teacher_ids == [1, 2, 5, 6, 9]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Micro-batching
+
+
+def test_pack_examples() -> None:
+    assert pack_microbatches([], 10) == []
+    assert pack_microbatches([3, 3, 3, 3], 12) == [[0, 1, 2, 3]]
+    assert pack_microbatches([3, 30, 3, 4], 12) == [[1], [0, 2, 3]]  # oversized alone, longest first
+    assert pack_microbatches([5, 6, 6], 12) == [[1, 2], [0]]  # 3 * 6 = 18 > 12 counts padding
+    with pytest.raises(ValueError, match="max_tokens"):
+        pack_microbatches([1], 0)
+    with pytest.raises(ValueError, match="sample 1 has length 0"):
+        pack_microbatches([1, 0], 4)
+
+
+def test_pack_uses_the_longer_teacher_length() -> None:
+    student, teacher = [10, 10, 10, 10], [30, 30, 30, 30]
+    lengths = [max(s, t) for s, t in zip(student, teacher, strict=True)]
+    groups = pack_microbatches(lengths, 64)
+    assert all(len(g) * 30 <= 64 for g in groups) and len(groups) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), max_size=60), max_tokens=st.integers(1, 1000))
+def test_pack_properties(lengths: list[int], max_tokens: int) -> None:
+    groups = pack_microbatches(lengths, max_tokens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # each sample exactly once
+    for g in groups:
+        assert g and g == sorted(g)
+        cost = len(g) * max(lengths[i] for i in g)
+        assert cost <= max_tokens or len(g) == 1  # budget, padded, except a lone oversized sample
+        if any(lengths[i] > max_tokens for i in g):
+            assert len(g) == 1  # oversized goes alone
+    assert pack_microbatches(list(lengths), max_tokens) == groups  # deterministic
+
+
+# ---------------------------------------------------------------------------------------------------
+# The real data sets (optional)
+
+
+@pytest.mark.shared_data
+def test_shared_math_and_gsm8k() -> None:
+    if not (SHARED_DATA / "math_train.jsonl").exists():
+        pytest.skip(f"{SHARED_DATA} not present")
+    path = str(SHARED_DATA / "math_train.jsonl")
+    with pytest.warns(UserWarning, match="4 of 7500 rows have no 'answer'"):
+        math = load_examples(path, answer_key="answer")  # two MATH rows have a null answer, two ""
+    assert len(math.examples) == 7500 and sum(e.answer is None for e in math.examples) == 4
+    math = load_quiet(path, answer_key="answer", require_answer=True, skip_bad_rows=True)
+    assert len(math.examples) == 7496 and math.skipped_bad == 4
+    assert all(e.solution and e.answer for e in math.examples)
+    assert "\\boxed" in math.examples[0].solution
+    gsm = load_examples(
+        str(SHARED_DATA / "gsm8k_test.jsonl"), problem_key="question", solution_key=None, answer_key="answer"
+    )
+    assert len(gsm.examples) == 1319 and "####" in gsm.examples[0].answer
