@@ -1,0 +1,219 @@
+"""The one typed training configuration: YAML in, dotted command-line overrides on top.
+
+Every key is validated up front by pydantic (unknown keys are errors that name the key), and
+combinations that make no sense are rejected with the reason before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from opsd.data import DEFAULT_INSTRUCTION, DEFAULT_TEACHER_TEMPLATE
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Section):
+    enabled: bool = True
+    r: int = Field(64, ge=1)
+    alpha: float = Field(128, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | str = "all-linear"
+
+
+class ModelConfig(_Section):
+    path: str = "smollm2-135m-instruct"  # HF name, local dir, or a short name from `opsd fetch-model`
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_implementation: str | None = "sdpa"
+    gradient_checkpointing: bool = False
+    lora: LoraConfig = LoraConfig()
+
+
+class DataConfig(_Section):
+    path: str = ""
+    problem_key: str = "problem"
+    solution_key: str | None = "solution"
+    answer_key: str | None = "answer"
+    split: str = "train"
+    skip_bad_rows: bool = False
+    drop_empty_solution: bool = False
+    instruction: str = DEFAULT_INSTRUCTION
+    teacher_template: str = DEFAULT_TEACHER_TEMPLATE
+    raw_splice: bool = False  # seed-style: student prompt + solution tokens, no teacher template
+    student_thinking: bool | None = None  # enable_thinking for Qwen3-style templates; None = template default
+    teacher_thinking: bool | None = None  # the reference found student off, teacher on best
+    max_prompt_len: int = Field(1024, ge=8)
+    max_teacher_prompt_len: int = Field(2048, ge=8)
+
+
+class RolloutConfig(_Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    prompts_per_step: int = Field(8, ge=1)
+    n: int = Field(1, ge=1)  # responses per prompt
+    temperature: float = Field(1.1, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(1024, ge=1)
+    stop_strings: list[str] = []
+    batch_size: int = Field(32, ge=1)
+    gpu_memory_utilization: float = Field(0.4, gt=0, le=1)  # vLLM only
+    tensor_parallel_size: int = Field(1, ge=1)  # vLLM only
+
+
+class LossConfig(_Section):
+    mode: Literal["jsd", "topk", "sampled"] = "jsd"
+    beta: float = Field(0.0, ge=0, le=1)
+    temperature: float | None = Field(None, gt=0)  # None: the rollout's sampling temperature
+    clip_mode: Literal["none", "entry", "token"] = "entry"
+    clip: float = Field(0.05, ge=0)
+    topk: int = Field(0, ge=0)
+    reduction: Literal["token", "sequence"] = "token"
+    chunk_size: int | None = Field(None, ge=1)
+
+
+class TeacherConfig(_Section):
+    mode: Literal["fixed", "ema", "live", "external"] = "fixed"
+    ema_decay: float = Field(0.999, gt=0, lt=1)
+    path: str | None = None  # external teacher model
+    privileged: bool = True  # put the reference solution in the teacher's context
+    frozen_copy: Literal["device", "cpu", "none"] = "device"  # full fine-tuning + fixed: where the copy lives
+
+
+class OptimConfig(_Section):
+    lr: float = Field(5e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(0.1, ge=0)  # 0 disables clipping
+    scheduler: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    max_steps: int = Field(100, ge=1)
+    max_tokens_per_microbatch: int = Field(8192, ge=1)
+    max_bad_steps: int = Field(3, ge=1)  # consecutive non-finite steps before stopping
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(50, ge=0)  # 0: only at the end
+    keep_last: int = Field(2, ge=1)
+    save_merged: bool = False  # LoRA: also write a merged full model
+
+
+class LoggingConfig(_Section):
+    run_dir: str = "runs/opsd"
+    sample_every: int = Field(10, ge=0)  # log decoded responses every K steps; 0 disables
+    num_samples: int = Field(2, ge=1)
+    progress: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "opsd"
+
+
+class EvalConfig(_Section):
+    path: str | None = None
+    every: int = Field(0, ge=0)  # 0 disables
+    k: int = Field(1, ge=1)
+    limit: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    max_new_tokens: int = Field(1024, ge=1)
+    answer_key: str = "answer"
+
+
+class Config(_Section):
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    loss: LossConfig = LossConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    optim: OptimConfig = OptimConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        if not self.data.path:
+            raise ValueError("data.path is required: a JSONL/JSON/Parquet/CSV file, a saved dataset dir or a hub name")
+        t, lora = self.teacher, self.model.lora.enabled
+        if t.mode == "fixed" and not lora and t.frozen_copy == "none":
+            raise ValueError(
+                "teacher.mode=fixed with full fine-tuning needs a frozen copy of the initial model, but "
+                "teacher.frozen_copy=none leaves no memory for it: use model.lora.enabled=true (the teacher is "
+                "then the base model with the adapter disabled), teacher.frozen_copy=cpu, or teacher.mode=live/ema"
+            )
+        if t.mode == "external" and not t.path:
+            raise ValueError("teacher.mode=external needs teacher.path (the teacher model)")
+        if t.mode != "external" and t.path:
+            raise ValueError(f"teacher.path is only used with teacher.mode=external, not {t.mode!r}")
+        if t.privileged and self.data.solution_key is None:
+            raise ValueError("teacher.privileged=true needs data.solution_key (the field holding the reference solution)")
+        lc = self.loss
+        if lc.mode == "topk" and lc.topk < 1:
+            raise ValueError("loss.mode=topk needs loss.topk >= 1")
+        if lc.mode == "sampled" and lc.clip_mode != "none":
+            raise ValueError("loss.mode=sampled needs loss.clip_mode=none (it has no per-entry divergence)")
+        if self.rollout.engine == "hf" and self.rollout.tensor_parallel_size > 1:
+            raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+        if self.eval.every and not self.eval.path:
+            raise ValueError("eval.every > 0 needs eval.path (a held-out file with answers)")
+        return self
+
+    @property
+    def loss_temperature(self) -> float:
+        return self.loss.temperature or (self.rollout.temperature or 1.0)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {key!r}: {p!r} is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """YAML file plus ``section.key=value`` overrides (values parsed as YAML), validated."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(tree, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value, e.g. loss.beta=0")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ValueError(f"invalid config{f' ({path})' if path else ''}:\n{_describe(e)}") from None
+
+
+def _describe(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        msg = err["msg"].removeprefix("Value error, ")
+        got = f" (got {err['input']!r})" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
+        lines.append(f"  {key}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))

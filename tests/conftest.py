@@ -1,0 +1,35 @@
+"""Shared fixtures: an offline tiny tokenizer/model, and the real SmolLM2 when it has been fetched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from opsd.models import build_tiny_model, build_tiny_tokenizer, cached_model_path
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """Byte-level BPE with a ChatML template; eos <|im_end|>, pad <|endoftext|>. Do not mutate."""
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def tiny_model(tiny_tokenizer):
+    """A fresh 2-layer random Llama per test (tests may train or wrap it)."""
+    return build_tiny_model(tiny_tokenizer, seed=0)
+
+
+def smollm2_dir() -> Path | None:
+    """The fetched SmolLM2-135M-Instruct directory, or None (for skipif at collection time)."""
+    return cached_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """Use with @pytest.mark.smollm2; skips cleanly when the model has not been fetched."""
+    path = smollm2_dir()
+    if path is None:
+        pytest.skip("SmolLM2 not fetched; run `opsd fetch-model smollm2-135m-instruct`")
+    return path

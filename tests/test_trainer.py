@@ -1,0 +1,229 @@
+"""End-to-end trainer runs on a tiny random model: modes, resume, faults, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import opsd.trainer as trainer_mod
+from opsd import Config, Trainer, load_config
+from opsd.checkpoint import list_checkpoints
+from opsd.models import build_tiny_model, build_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("assets")
+    tok = build_tiny_tokenizer()
+    for name, seed in (("model", 0), ("other", 1)):
+        m = build_tiny_model(tok, hidden_size=32, seed=seed)
+        m.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    rows = [{"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
+             "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 5), (6, 1)]]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": str(root / "model"), "other": str(root / "other"), "data": str(root / "train.jsonl")}
+
+
+def make_cfg(assets: dict, run_dir: Path, **over) -> Config:
+    base = [
+        f"model.path={assets['model']}", f"data.path={assets['data']}", f"logging.run_dir={run_dir}",
+        "model.lora.r=4", "model.lora.alpha=8", "rollout.prompts_per_step=2", "rollout.n=2",
+        "rollout.max_new_tokens=6", "rollout.temperature=1.0", "optim.lr=0.01", "optim.max_steps=2",
+        "checkpoint.every=1", "logging.progress=false", "logging.sample_every=1", "data.max_prompt_len=256",
+        "loss.clip_mode=none",
+    ]
+    return load_config(None, base + [f"{k}={v}" for k, v in over.items()])
+
+
+def _frozen(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"teacher.mode": "fixed"},
+        {"teacher.mode": "ema", "teacher.ema_decay": 0.5},
+        {"teacher.mode": "live"},
+        {"teacher.mode": "fixed", "model.lora.enabled": "false", "teacher.frozen_copy": "cpu"},
+        {"loss.mode": "topk", "loss.topk": 5, "loss.beta": 0.5},
+        {"loss.mode": "sampled"},
+        {"loss.clip_mode": "entry", "loss.clip": 0.05, "loss.reduction": "sequence"},
+    ],
+    ids=["fixed-lora", "ema", "live", "fixed-full", "topk", "sampled", "entry-clip-seq"],
+)
+def test_modes_train_and_teacher_stays_fixed(assets, tmp_path, over):
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
+    student0 = {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad}
+    frozen0 = _frozen(tr.teacher.model) if tr.teacher.model is not None else None
+    base0 = {k: v.detach().clone() for k, v in tr.model.named_parameters() if not v.requires_grad}
+    ema0 = [e.clone() for e in tr.teacher.ema]
+    hist = tr.train()
+    assert len(hist) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
+    if over.get("loss.mode") != "sampled":  # the sampled estimate of the divergence can be negative
+        assert all(h["divergence"] > 0 for h in hist)
+    changed = [k for k, v in tr.model.named_parameters() if v.requires_grad and not torch.equal(v, student0[k])]
+    assert changed, "the student's weights did not change"
+    if over.get("teacher.mode", "fixed") == "fixed":
+        if frozen0 is not None:  # full fine-tuning: the frozen copy is untouched
+            for k, v in tr.teacher.model.named_parameters():
+                assert torch.equal(v, frozen0[k]), k
+        else:  # LoRA: the teacher is the base weights, which never train
+            for k, v in tr.model.named_parameters():
+                if not v.requires_grad:
+                    assert torch.equal(v, base0[k]), k
+    if over.get("teacher.mode") == "ema":
+        assert any(not torch.equal(a, b) for a, b in zip(ema0, tr.teacher.ema))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    for key in ("step", "loss", "divergence", "clip_frac", "entropy_student", "entropy_teacher", "agreement",
+                "resp_len_mean", "resp_len_max", "truncated_frac", "tokens_per_s", "time_rollout", "time_teacher",
+                "time_student", "time_loss", "time_optim", "peak_mem_gb", "lr", "grad_norm"):
+        assert all(key in r for r in recs), key
+    assert [r["step"] for r in recs] == [1, 2]
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert (tmp_path / "run" / "samples.jsonl").is_file()
+    ckpts = list_checkpoints(tmp_path / "run")
+    assert [c.name for c in ckpts] == ["step_000001", "step_000002"]
+
+
+def test_external_teacher(assets, tmp_path):
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"teacher.mode": "external", "teacher.path": assets["other"]}))
+    t0 = _frozen(tr.teacher.model)
+    hist = tr.train()
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
+    assert all(torch.equal(v, t0[k]) for k, v in tr.teacher.model.named_parameters())
+
+
+def test_external_teacher_with_other_tokenizer_is_refused(assets, tmp_path):
+    other = tmp_path / "othertok"
+    tok = build_tiny_tokenizer(texts=["completely different corpus"] * 3, vocab_size=300)
+    m = build_tiny_model(tok, hidden_size=32)
+    m.save_pretrained(other)
+    tok.save_pretrained(other)
+    cfg = make_cfg(assets, tmp_path / "run", **{"teacher.mode": "external", "teacher.path": str(other)})
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        Trainer(cfg)
+
+
+def test_resume_is_exact(assets, tmp_path):
+    over = {"optim.max_steps": 6, "optim.scheduler": "cosine", "optim.warmup_steps": 2,
+            "teacher.mode": "ema", "teacher.ema_decay": 0.7, "model.lora.dropout": 0.1}
+    full = Trainer(make_cfg(assets, tmp_path / "a", **over)).train()
+    first = Trainer(make_cfg(assets, tmp_path / "b", **over))
+    first.train(until_step=3)
+    resumed = Trainer(make_cfg(assets, tmp_path / "b", **over), resume=True)
+    assert resumed.step_num == 3
+    rest = resumed.train()
+    assert [r["step"] for r in rest] == [4, 5, 6]
+    for a, b in zip(full[3:], rest):
+        assert abs(a["loss"] - b["loss"]) < 1e-6, (a["step"], a["loss"], b["loss"])
+        assert abs(a["divergence"] - b["divergence"]) < 1e-6
+
+
+def test_run_dir_exists_is_refused_then_overwritten(assets, tmp_path):
+    run = tmp_path / "run"
+    Trainer(make_cfg(assets, run)).train(until_step=1)
+    with pytest.raises(FileExistsError, match="--resume"):
+        Trainer(make_cfg(assets, run))
+    tr = Trainer(make_cfg(assets, run), overwrite=True)
+    assert tr.step_num == 0 and not list_checkpoints(run)
+
+
+def test_resume_without_checkpoint_is_refused(assets, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        Trainer(make_cfg(assets, tmp_path / "empty"), resume=True)
+
+
+def test_nonfinite_steps_are_skipped_then_stop(assets, tmp_path, monkeypatch):
+    real = trainer_mod.fused_linear_distill
+
+    def poisoned(*a, **k):  # NaN loss on steps 2, 3, 4
+        loss, st = real(*a, **k)
+        return (loss * float("nan") if tr.step_num + 1 in (2, 3, 4) else loss), st
+
+    monkeypatch.setattr(trainer_mod, "fused_linear_distill", poisoned)
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 8, "optim.max_bad_steps": 3}))
+    with pytest.warns(UserWarning, match="non-finite"):
+        with pytest.raises(trainer_mod.TrainingError, match="3 consecutive steps"):
+            tr.train()
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_nonfinite"] for r in recs] == [0, 1, 1, 1]
+    # the last good checkpoint is step 1 and it is intact: it loads and resumes
+    assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["step_000001"]
+    monkeypatch.setattr(trainer_mod, "fused_linear_distill", real)
+    again = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}), resume=True)
+    assert again.step_num == 1
+    assert again.train()[0]["skipped_nonfinite"] == 0
+
+
+def test_skipped_step_leaves_weights_unchanged(assets, tmp_path, monkeypatch):
+    real = trainer_mod.fused_linear_distill
+    monkeypatch.setattr(trainer_mod, "fused_linear_distill",
+                        lambda *a, **k: (lambda r: (r[0] * float("nan"), r[1]))(real(*a, **k)))
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 1}))
+    w0 = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
+    with pytest.warns(UserWarning):
+        tr.step()
+    assert all(torch.equal(v, w0[k]) for k, v in tr.model.named_parameters())
+
+
+def test_sigterm_saves_and_stops(assets, tmp_path, monkeypatch, capsys):
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 5, "checkpoint.every": 0}))
+    real_step = tr.step
+
+    def step_then_signal():
+        rec = real_step()
+        if tr.step_num == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return rec
+
+    monkeypatch.setattr(tr, "step", step_then_signal)
+    hist = tr.train()
+    assert len(hist) == 2
+    assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["step_000002"]
+    assert "opsd train --resume" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is not None  # handlers restored
+
+
+def test_lora_checkpoint_is_hf_loadable_and_merged(assets, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"checkpoint.save_merged": "true", "optim.max_steps": 1}))
+    tr.train()
+    ck = list_checkpoints(tmp_path / "run")[-1]
+    merged = AutoModelForCausalLM.from_pretrained(ck / "merged")
+    base = AutoModelForCausalLM.from_pretrained(assets["model"])
+    adapted = PeftModel.from_pretrained(base, ck / "model")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=1e-4, atol=1e-4)
+        trained = tr.model(ids).logits
+    torch.testing.assert_close(merged(ids).logits, trained, rtol=1e-4, atol=1e-4)
+
+
+def test_interrupted_save_leaves_previous_checkpoint(assets, tmp_path, monkeypatch):
+    import opsd.checkpoint as ck_mod
+
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}))
+    tr.train(until_step=1)
+    real_save = torch.save
+
+    def dying_save(*a, **k):
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(ck_mod.torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        tr.train()
+    monkeypatch.setattr(ck_mod.torch, "save", real_save)
+    names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert names == ["step_000001"]
+    again = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}), resume=True)
+    assert again.step_num == 1
