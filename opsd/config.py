@@ -43,6 +43,7 @@ class DataConfig(_Section):
     split: str = "train"
     skip_bad_rows: bool = False
     drop_empty_solution: bool = False
+    shuffle: bool = True  # false: file order (benchmarks, curricula)
     instruction: str = DEFAULT_INSTRUCTION
     teacher_template: str = DEFAULT_TEACHER_TEMPLATE
     raw_splice: bool = False  # seed-style: student prompt + solution tokens, no teacher template

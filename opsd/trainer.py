@@ -107,7 +107,8 @@ class Trainer:
         self.examples = report.examples
         self.data_report = {"rows": len(report.examples), "skipped_bad": report.skipped_bad,
                             "empty_solution": report.empty_solution, "dropped_empty": report.dropped_empty}
-        self.cursor = DataCursor(len(self.examples), seed=cfg.seed, rank=self.rank, world_size=self.world)
+        self.cursor = DataCursor(len(self.examples), seed=cfg.seed, rank=self.rank, world_size=self.world,
+                                 shuffle=cfg.data.shuffle)
         self._prompt_cache: dict[int, tuple[list[int], list[int]]] = {}
         self.truncated = {"student": 0, "teacher": 0}
 
@@ -442,11 +443,10 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out accuracy of the live model, without privileged information."""
         from opsd.eval import evaluate_model
-        from opsd.data import load_examples as _load
 
         e = self.cfg.eval
         if not hasattr(self, "_eval_examples"):
-            rep = _load(e.path, problem_key=self.cfg.data.problem_key, solution_key=None,
+            rep = load_examples(e.path, problem_key=self.cfg.data.problem_key, solution_key=None,
                         answer_key=e.answer_key, require_answer=True)
             self._eval_examples = rep.examples[: e.limit] if e.limit else rep.examples
         res = evaluate_model(
@@ -454,7 +454,7 @@ class Trainer:
             max_new_tokens=e.max_new_tokens, instruction=self.cfg.data.instruction,
             enable_thinking=self.cfg.data.student_thinking, seed=self.cfg.seed, engine=self.engine,
         )
-        return {f"eval/{k}": v for k, v in res.summary().items() if isinstance(v, (int, float))}
+        return res.metrics(prefix="eval/")
 
     def save(self) -> Path | None:
         if self.rank != 0:

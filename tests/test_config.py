@@ -1,0 +1,68 @@
+"""Config loading, overrides and the combinations that are refused up front."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from opsd.config import Config, load_config, save_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_yaml_plus_overrides(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text(yaml.safe_dump({"data": {"path": "x.jsonl"}, "loss": {"beta": 0.5}}))
+    cfg = load_config(p, ["loss.beta=0", "optim.lr=5e-6", "rollout.stop_strings=['</s>']", "data.solution_key=null"
+                          , "teacher.privileged=false"])
+    assert cfg.loss.beta == 0 and cfg.optim.lr == 5e-6 and cfg.rollout.stop_strings == ["</s>"]
+    assert cfg.data.solution_key is None
+    assert cfg.loss_temperature == cfg.rollout.temperature  # loss temperature defaults to sampling's
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["data.path=x.jsonl", "loss.mode=topk", "loss.topk=20"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_validate(example):
+    assert isinstance(load_config(example), Config)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["loss.beta=1.5"], r"loss\.beta: .*less than or equal to 1"),
+        (["loss.temperature=0"], r"loss\.temperature"),
+        (["loss.mode=topk"], "loss.topk >= 1"),
+        (["loss.mode=sampled"], "clip_mode=none"),
+        (["model.lora.enabled=false", "teacher.frozen_copy=none"], "frozen copy"),
+        (["teacher.mode=external"], "teacher.path"),
+        (["teacher.path=/x"], "only used with teacher.mode=external"),
+        (["optim.lr=-1"], r"optim\.lr"),
+        (["loss.bta=0"], r"loss\.bta: Extra inputs are not permitted"),
+        (["rollout.tensor_parallel_size=2"], "engine=vllm"),
+        (["eval.every=5"], "eval.path"),
+        (["data.solution_key=null"], "data.solution_key"),
+        (["loss.clip_mode=sometimes"], r"loss\.clip_mode"),
+        (["nokey"], "section.key=value"),
+    ],
+)
+def test_bad_configs_name_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, ["data.path=x.jsonl", *overrides])
+
+
+def test_missing_data_path_and_file_errors(tmp_path):
+    with pytest.raises(ValueError, match="data.path is required"):
+        load_config(None, [])
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loss: [unclosed")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_config(bad)
