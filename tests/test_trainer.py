@@ -227,3 +227,31 @@ def test_interrupted_save_leaves_previous_checkpoint(assets, tmp_path, monkeypat
     assert names == ["step_000001"]
     again = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}), resume=True)
     assert again.step_num == 1
+
+
+def test_cli_train_resume_and_errors(assets, tmp_path, capsys):
+    import yaml
+
+    from opsd.cli import main
+
+    run = tmp_path / "run"
+    cfg = make_cfg(assets, run, **{"optim.max_steps": 2})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert main(["train", "--config", str(path), "optim.max_steps=1"]) == 0
+    assert [c.name for c in list_checkpoints(run)] == ["step_000001"]
+    assert main(["train", "--config", str(path)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert main(["train", "--resume", str(run), "optim.max_steps=2"]) == 0
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert main(["train", "--config", str(path), "--overwrite", "loss.beta=7"]) == 1
+    assert "loss.beta" in capsys.readouterr().err
+
+
+def test_eval_during_training_goes_to_metrics(assets, tmp_path):
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"eval.path": assets["data"], "eval.every": 1,
+                                                      "eval.limit": 3, "eval.max_new_tokens": 4}))
+    hist = tr.train()
+    assert all("eval/avg@1" in h and 0.0 <= h["eval/avg@1"] <= 1.0 for h in hist)
+    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert "eval/pass@1" in rec
