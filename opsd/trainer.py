@@ -146,7 +146,7 @@ class Trainer:
 
         if resume:
             self._resume()
-        else:
+        elif self.rank == 0:
             save_config(cfg, self.run_dir / "config.yaml")
         self.metrics = MetricsWriter(
             self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
@@ -159,6 +159,9 @@ class Trainer:
     def _prepare_run_dir(self, resume: bool, overwrite: bool) -> None:
         if resume and overwrite:
             raise ValueError("choose one of resume and overwrite")
+        if self.rank != 0:  # rank 0 checks and prepares the directory; the others wait for it
+            dist.barrier()
+            return
         exists = self.run_dir.exists() and any(self.run_dir.iterdir())
         if resume and latest_checkpoint(self.run_dir) is None:
             raise FileNotFoundError(f"--resume: no checkpoint found in {self.run_dir / 'checkpoints'}")
@@ -168,9 +171,10 @@ class Trainer:
                     f"run directory {self.run_dir} already exists: pass --resume to continue it "
                     "or --overwrite to start over (it will be deleted)"
                 )
-            if self.rank == 0:
-                shutil.rmtree(self.run_dir)
+            shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.world > 1:
+            dist.barrier()
 
     def _build_student(self) -> nn.Module:
         m = self.cfg.model
@@ -327,8 +331,15 @@ class Trainer:
             stats.add(st)
             del t_hidden, s_hidden, loss
 
-        # 8. Clip, step, schedule; skip the update if anything is non-finite.
+        # 8. Sum gradients over data-parallel ranks (weights were normalized by the global token
+        #    count, so the sum is the one-big-batch gradient), clip, step, schedule; skip the
+        #    update if anything is non-finite.
         with timer("optim"):
+            if self.world > 1:
+                for p in self.params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    dist.all_reduce(p.grad)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip or float("inf"))
             loss_total = _all_reduce_sum(loss_total)
             finite = bool(torch.isfinite(loss_total)) and bool(torch.isfinite(grad_norm))

@@ -255,3 +255,33 @@ def test_eval_during_training_goes_to_metrics(assets, tmp_path):
     assert all("eval/avg@1" in h and 0.0 <= h["eval/avg@1"] <= 1.0 for h in hist)
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert "eval/pass@1" in rec
+
+
+def _dp_worker(rank: int, world: int, port: int, assets: dict, run_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    tr = Trainer(make_cfg(assets, Path(run_dir), **{"optim.max_steps": 1}))
+    rec = tr.step()
+    torch.save({"params": [p.detach() for p in tr.params], "tokens": rec["tokens"]}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_stay_in_sync(assets, tmp_path):
+    """Two gloo ranks see different problems but take the same (all-reduced) optimizer step."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "params")
+    torch.multiprocessing.start_processes(_dp_worker, args=(2, port, assets, str(tmp_path / "run"), out),
+                                          nprocs=2, start_method="spawn", join=True)
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert r0["tokens"] == r1["tokens"] > 0  # the global count, the same on both ranks
+    for a, b in zip(r0["params"], r1["params"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fresh = Trainer(make_cfg(assets, tmp_path / "single"))
+    assert any(not torch.equal(a, p) for a, p in zip(r0["params"], fresh.params))  # they did move
