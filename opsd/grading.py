@@ -1,0 +1,171 @@
+"""Answer grading for math benchmarks: last \\boxed{} extraction + math-verify equivalence.
+
+Grading never raises: a parse error, a timeout or an answer too large to check safely is an
+incorrect verdict with the reason in `Grade.error`, so one pathological sample cannot kill an eval
+(or a training run that evaluates every N steps).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import sympy
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from math_verify.errors import TimeoutException
+
+# Longest extracted answer we hand to sympy. Real answers (matrices, long expressions) are far
+# shorter; without a cap a degenerate 100k-char "answer" can stall the parser for minutes.
+MAX_ANSWER_CHARS = 1000
+# Numbers with more digits than this are not evaluated: off the main thread there is no timeout,
+# and sympy evaluating e.g. 10^{10^{10^{10}}} never returns.
+MAX_NUMBER_DIGITS = 1_000_000
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+_EXTRACTION = [LatexExtractionConfig(), ExprExtractionConfig()]
+
+
+@dataclass
+class Grade:
+    correct: bool
+    extracted: str | None  # the last \boxed{} content of the response; None when there is none
+    error: str | None  # why grading could not complete (counted as incorrect); None when it did
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (or \\fbox{...}); None if absent or its braces never close."""
+    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    cmd = next(c for c in _BOX_COMMANDS if text.startswith(c, start))
+    i = start + len(cmd)
+    if text.startswith(" ", i) and not text[i:].lstrip(" ").startswith("{"):
+        # "\boxed 5" form: the answer runs to the next "$" or whitespace.
+        rest = text[i:].lstrip(" ")
+        end = min((j for j in (rest.find("$"), rest.find(" "), rest.find("\n")) if j >= 0), default=len(rest))
+        return rest[:end] or None
+    while i < len(text) and text[i] == " ":
+        i += 1
+    if i >= len(text) or text[i] != "{":
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        c = text[j]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def normalize_gold(gold: str) -> str:
+    """Reduce a gold answer field to the bare answer.
+
+    GSM8K answers are a worked solution ending in "#### 1,234"; MATH-style fields may hold a full
+    solution with a \\boxed{}. Plain answers pass through stripped.
+    """
+    gold = str(gold)
+    if "####" in gold:
+        return gold.rsplit("####", 1)[1].strip().replace(",", "")
+    if any(cmd in gold for cmd in _BOX_COMMANDS):
+        boxed = extract_boxed(gold)
+        if boxed is not None:
+            return boxed.strip()
+    return gold.strip()
+
+
+def _log10_magnitude(expr: sympy.Basic) -> float:
+    """Rough upper bound on log10 |expr| for a numeric sympy tree, without evaluating it."""
+    if isinstance(expr, sympy.Integer):
+        v = abs(int(expr))
+        return math.log10(v) if v > 0 else 0.0  # math.log10 takes ints of any size
+    if isinstance(expr, (sympy.Rational, sympy.Float)):
+        v = abs(float(expr))
+        return math.log10(v) if v > 1 else 0.0
+    if isinstance(expr, sympy.Pow):
+        base, exp = _log10_magnitude(expr.base), _log10_magnitude(expr.exp)
+        exp_value = 10.0**exp if exp < 300 else math.inf
+        return base * exp_value
+    if isinstance(expr, sympy.Mul):
+        return sum(_log10_magnitude(a) for a in expr.args)
+    if expr.args:
+        return max(_log10_magnitude(a) for a in expr.args) + math.log10(len(expr.args))
+    return 1.0  # pi, E, symbols, ...
+
+
+def _too_large(parsed: list) -> bool:
+    for item in parsed:
+        if isinstance(item, sympy.Basic) and not isinstance(item, sympy.MatrixBase):
+            for node in sympy.preorder_traversal(item):
+                if isinstance(node, sympy.Pow) and _log10_magnitude(node) > MAX_NUMBER_DIGITS:
+                    return True
+    return False
+
+
+def grade(response: str, gold: str, timeout_s: float = 5) -> Grade:
+    """Grade one response against a gold answer with math-verify.
+
+    math-verify's timeouts use SIGALRM, which only works on the main thread; elsewhere they are
+    disabled and the length/magnitude caps above are what keeps grading bounded.
+    """
+    extracted = extract_boxed(response)
+    if extracted is None:
+        return Grade(correct=False, extracted=None, error=None)
+    if not extracted.strip():
+        return Grade(correct=False, extracted=extracted, error=None)
+    if len(extracted) > MAX_ANSWER_CHARS:
+        return Grade(
+            False, extracted[:200], f"answer too long to grade ({len(extracted)} chars > {MAX_ANSWER_CHARS})"
+        )
+    gold_answer = normalize_gold(gold)
+    if not gold_answer:
+        return Grade(False, extracted, "empty gold answer")
+    on_main = threading.current_thread() is threading.main_thread()
+    timeout = math.ceil(timeout_s) if on_main and timeout_s > 0 else None  # signal.alarm takes whole seconds
+    try:
+        gold_parsed = parse(
+            "\\boxed{" + gold_answer + "}", _EXTRACTION, parsing_timeout=timeout, raise_on_error=True
+        )
+        pred_parsed = parse(
+            "\\boxed{" + extracted + "}", _EXTRACTION, parsing_timeout=timeout, raise_on_error=True
+        )
+        if not gold_parsed:
+            return Grade(False, extracted, f"could not parse gold answer {gold_answer[:100]!r}")
+        if not pred_parsed:
+            return Grade(False, extracted, None)
+        if _too_large(pred_parsed) or _too_large(gold_parsed):
+            return Grade(False, extracted, f"number too large to verify (> {MAX_NUMBER_DIGITS} digits)")
+    except TimeoutException:
+        return Grade(False, extracted, f"math-verify parse timed out after {timeout_s}s")
+    except Exception as e:  # noqa: BLE001 - any grader failure is an incorrect, recorded verdict
+        return Grade(False, extracted, f"parse failed: {type(e).__name__}: {str(e)[:200]}")
+    # parse() returns [sympy form, raw string]; compare pair by pair (as verify() does) so a failure
+    # on one representation neither hides a match on another nor goes unrecorded.
+    error = None
+    for g in gold_parsed:
+        for t in pred_parsed:
+            try:
+                if verify(g, t, timeout_seconds=timeout, raise_on_error=True):
+                    return Grade(correct=True, extracted=extracted, error=None)
+            except TimeoutException:
+                return Grade(False, extracted, f"math-verify timed out after {timeout_s}s")
+            except Exception as e:  # noqa: BLE001
+                error = error or f"verify failed: {type(e).__name__}: {str(e)[:200]}"
+    return Grade(correct=False, extracted=extracted, error=error)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k = 1 - C(n-c, k) / C(n, k) (Chen et al. 2021), as a stable running product."""
+    if not (n >= 1 and 0 <= c <= n):
+        raise ValueError(f"pass_at_k needs n >= 1 and 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 1 <= k <= n (samples per problem), got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    prob_all_wrong = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong

@@ -1,0 +1,228 @@
+"""`opsd report RUN_DIR`: PNG plots + report.md from a run's metrics.jsonl (and eval.jsonl).
+
+Works on a run that is still being written (a partial last line is skipped and counted) and on a
+resumed run (a step logged twice keeps its last record, which is what the resumed run computed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from matplotlib.figure import Figure  # no pyplot: no global backend/state, renders with Agg
+
+EVAL_PREFIX = "eval/"
+STEP_TIME_KEYS = ("time_rollout", "time_teacher", "time_student", "time_optim")
+
+# (file stem, title, panels); a panel is a list of keys sharing one y axis. A plot is drawn when any
+# of its keys has data; "stack:" panels are drawn as a stacked area (the step-time breakdown).
+PLOTS: list[tuple[str, str, list[list[str]]]] = [
+    ("loss", "Loss and mean divergence", [["loss"], ["divergence"]]),
+    ("clip_frac", "Clip fraction", [["clip_frac"]]),
+    ("entropy", "Student and teacher entropy", [["entropy_student", "entropy_teacher"]]),
+    ("agreement", "Teacher-student agreement", [["agreement"]]),
+    (
+        "response_length",
+        "Response length and truncation",
+        [["resp_len_mean", "resp_len_max"], ["truncated_frac"]],
+    ),
+    (
+        "throughput",
+        "Throughput and step-time breakdown",
+        [["tokens_per_s"], ["stack:" + k for k in STEP_TIME_KEYS]],
+    ),
+    ("optim", "Learning rate, grad norm and memory", [["lr"], ["grad_norm"], ["peak_mem_gb"]]),
+]
+
+
+@dataclass
+class RunMetrics:
+    train: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> numeric train metrics
+    eval: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> "eval/..." metrics
+    bad_lines: list[str] = field(default_factory=list)  # "file:line (why)" for each skipped line
+    replaced_steps: int = 0  # records superseded by a later record for the same step (resume)
+    sources: list[str] = field(default_factory=list)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _read_jsonl(path: Path, metrics: RunMetrics, *, force_eval: bool) -> None:
+    metrics.sources.append(str(path))
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            why = "partial last line, run still writing?" if lineno == len(lines) else "invalid JSON"
+            metrics.bad_lines.append(f"{path.name}:{lineno} ({why})")
+            continue
+        if not isinstance(rec, dict) or not _is_number(rec.get("step")):
+            metrics.bad_lines.append(f"{path.name}:{lineno} (no numeric 'step')")
+            continue
+        step = int(rec["step"])
+        train_part: dict[str, float] = {}
+        eval_part: dict[str, float] = {}
+        for k, v in rec.items():
+            if k == "step" or not _is_number(v):
+                continue
+            if k.startswith(EVAL_PREFIX):
+                eval_part[k] = float(v)
+            elif force_eval:
+                eval_part[EVAL_PREFIX + k] = float(v)
+            else:
+                train_part[k] = float(v)
+        # Train and eval records may share a step; dedupe each stream on its own.
+        for part, table in ((train_part, metrics.train), (eval_part, metrics.eval)):
+            if part:
+                metrics.replaced_steps += step in table
+                table[step] = part
+
+
+def load_run_metrics(run_dir: Path) -> RunMetrics:
+    """Read RUN_DIR/metrics.jsonl and RUN_DIR/eval.jsonl (either may be absent, not both)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
+    if not metrics_path.exists() and not eval_path.exists():
+        raise FileNotFoundError(f"no metrics.jsonl or eval.jsonl in {run_dir}; is it a run directory?")
+    metrics = RunMetrics()
+    if metrics_path.exists():
+        _read_jsonl(metrics_path, metrics, force_eval=False)
+    if eval_path.exists():
+        _read_jsonl(eval_path, metrics, force_eval=True)
+    metrics.train = dict(sorted(metrics.train.items()))
+    metrics.eval = dict(sorted(metrics.eval.items()))
+    return metrics
+
+
+def _series(table: dict[int, dict[str, float]], key: str) -> tuple[list[int], list[float]]:
+    steps = [s for s, rec in table.items() if key in rec]
+    return steps, [table[s][key] for s in steps]
+
+
+def _plot(path: Path, title: str, table: dict[int, dict[str, float]], panels: list[list[str]]) -> bool:
+    panels = [p for p in panels if any(_series(table, k.removeprefix("stack:"))[0] for k in p)]
+    if not panels:
+        return False
+    fig = Figure(figsize=(8, 2.6 * len(panels) + 0.6), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, panel in zip(axes, panels, strict=True):
+        if all(k.startswith("stack:") for k in panel):
+            keys = [k.removeprefix("stack:") for k in panel]
+            keys = [k for k in keys if _series(table, k)[0]]
+            steps = [s for s, rec in table.items() if any(k in rec for k in keys)]
+            ys = [[table[s].get(k, 0.0) for s in steps] for k in keys]
+            ax.stackplot(steps, ys, labels=keys, alpha=0.8)
+            ax.set_ylabel("seconds / step")
+        else:
+            for k in panel:
+                steps, ys = _series(table, k)
+                if steps:
+                    ax.plot(steps, ys, label=k, marker="o" if len(steps) < 30 else None, markersize=3)
+            ax.set_ylabel(panel[0] if len(panel) == 1 else "")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    axes[-1].set_xlabel("step")
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    return True
+
+
+def _eval_panels(table: dict[int, dict[str, float]]) -> list[list[str]]:
+    keys = sorted({k for rec in table.values() for k in rec})
+    acc = [k for k in keys if any(t in k.lower() for t in ("avg@", "pass@", "acc"))]
+    other = [k for k in keys if k not in acc]
+    return [p for p in (acc, other) if p]
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def _final_table(table: dict[int, dict[str, float]], last_n: int = 10) -> list[str]:
+    keys = list(dict.fromkeys(k for rec in table.values() for k in rec))
+    rows = [f"| metric | final | step | mean of last {last_n} |", "|---|---|---|---|"]
+    for k in keys:
+        steps, ys = _series(table, k)
+        tail = ys[-last_n:]
+        rows.append(f"| {k} | {_fmt(ys[-1])} | {steps[-1]} | {_fmt(sum(tail) / len(tail))} |")
+    return rows
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write RUN_DIR/report/*.png and RUN_DIR/report/report.md; returns the report.md path."""
+    run_dir = Path(run_dir)
+    metrics = load_run_metrics(run_dir)
+    out = run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+
+    images: list[tuple[str, str]] = []
+    for stem, title, panels in PLOTS:
+        if _plot(out / f"{stem}.png", title, metrics.train, panels):
+            images.append((stem, title))
+    if metrics.eval and _plot(out / "eval.png", "Eval accuracy", metrics.eval, _eval_panels(metrics.eval)):
+        images.append(("eval", "Eval accuracy"))
+
+    md = [f"# Run report: {run_dir.resolve().name}", ""]
+    train_steps = list(metrics.train)
+    md.append(f"- sources: {', '.join(f'`{Path(s).name}`' for s in metrics.sources)}")
+    if train_steps:
+        md.append(f"- training steps logged: {len(train_steps)} (steps {train_steps[0]}..{train_steps[-1]})")
+    else:
+        md.append("- training steps logged: none yet")
+    md.append(f"- eval points: {len(metrics.eval)}")
+    if metrics.replaced_steps:
+        md.append(
+            f"- {metrics.replaced_steps} record(s) superseded by a later record for the same step (resumed run)"
+        )
+    if metrics.bad_lines:
+        md.append(f"- {len(metrics.bad_lines)} line(s) skipped: {'; '.join(metrics.bad_lines[:10])}")
+    md.append("")
+
+    if metrics.train:
+        md += ["## Final numbers", "", *_final_table(metrics.train), ""]
+    if metrics.eval:
+        md += ["## Eval", "", *_final_table(metrics.eval, last_n=3), ""]
+    if images:
+        md += ["## Plots", ""]
+        md += [f"### {title}\n\n![{title}]({stem}.png)\n" for stem, title in images]
+
+    config = next(
+        (run_dir / n for n in ("config.yaml", "config.yml", "config.json") if (run_dir / n).exists()), None
+    )
+    if config is not None:
+        lang = "json" if config.suffix == ".json" else "yaml"
+        md += [
+            "## Configuration",
+            "",
+            f"From `{config.name}`:",
+            "",
+            f"```{lang}",
+            config.read_text().rstrip(),
+            "```",
+            "",
+        ]
+
+    report = out / "report.md"
+    report.write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
+    return report
+
+
+def add_report_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "run_dir", type=Path, help="run directory holding metrics.jsonl (and eval.jsonl, config.yaml)"
+    )
+
+
+def run_report(args: argparse.Namespace) -> int:
+    path = write_report(args.run_dir)
+    print(f"wrote {path} ({len(list(path.parent.glob('*.png')))} plots)")
+    return 0

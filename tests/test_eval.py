@@ -1,0 +1,223 @@
+"""`opsd eval`: metrics on scripted completions, end to end on a tiny random model, and bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from opsd.data import Example, load_examples, student_prompt_ids
+from opsd.eval import EvalResult, add_eval_arguments, evaluate, evaluate_model, format_table, run_eval
+from opsd.rollout import Completion
+
+ROWS = [
+    {"problem": "What is 1/2 as a decimal?", "answer": "0.5"},
+    {
+        "problem": "Natalia sold 48 clips in April and half as many in May. Total?",
+        "answer": "Sold 24 in May.\n#### 72",
+    },
+    {"problem": "What is 2 + 3?", "answer": 5},
+]
+
+
+class ScriptedEngine:
+    """Returns fixed response texts per prompt, cycling through `responses[prompt_text]`."""
+
+    def __init__(self, tokenizer, scripts: dict[int, list[tuple[str, str]]]) -> None:
+        self.tokenizer, self.scripts, self.calls = tokenizer, scripts, []
+
+    def generate(self, prompts, n, params):
+        self.calls.append((len(prompts), n, params.seed))
+        out = []
+        for i, p in enumerate(prompts):
+            key = next(k for k in self.scripts if self.scripts[k][0][0] in self.tokenizer.decode(p))
+            for text, reason in self.scripts[key][1 : n + 1]:
+                ids = self.tokenizer.encode(text)
+                out.append(Completion(i, ids, [-1.0] * len(ids), reason))
+        return out
+
+
+def _examples() -> list[Example]:
+    return [Example(r["problem"], "", str(r["answer"]), i) for i, r in enumerate(ROWS)]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_metrics_on_scripted_completions(tiny_tokenizer) -> None:
+    scripts = {
+        0: [
+            ("1/2 as a decimal", ""),
+            (r"\boxed{\frac{1}{2}}", "stop"),
+            (r"\boxed{0.4}", "stop"),
+            ("no box", "length"),
+        ],
+        1: [("Natalia", ""), (r"\boxed{72}", "stop"), (r"\boxed{72}", "stop"), (r"\boxed{072}", "stop")],
+        2: [("2 + 3", ""), (r"\boxed{6}", "stop"), (r"\boxed{6", "length"), (r"\boxed{4}", "stop")],
+    }
+    engine = ScriptedEngine(tiny_tokenizer, scripts)
+    res = evaluate_model(None, tiny_tokenizer, _examples(), k=3, engine=engine, name="scripted", seed=7)
+    assert engine.calls == [(3, 3, 7)]  # non-HF engines get every prompt in one call
+    assert res.num_problems == 3 and res.k == 3
+    assert res.avg_at_k == pytest.approx(4 / 9)
+    assert res.pass_at_k == pytest.approx(2 / 3)
+    assert res.truncated_frac == pytest.approx(2 / 9)
+    assert res.no_answer_frac == pytest.approx(2 / 9)  # "no box" and the unbalanced \boxed{6
+    assert res.grading_errors == 0
+    assert [it["num_correct"] for it in res.items] == [1, 3, 0]
+    assert res.items[1]["gold_normalized"] == "72"
+    assert res.items[0]["extracted"] == [r"\frac{1}{2}", "0.4", None]
+    assert res.metrics()["eval/avg@3"] == pytest.approx(4 / 9)
+    assert res.metrics()["eval/pass@3"] == pytest.approx(2 / 3)
+    table = format_table({"scripted": res})
+    assert "avg@3" in table and "0.4444" in table and "0.6667" in table
+
+
+def test_evaluate_model_on_live_tiny_model(tiny_model, tiny_tokenizer) -> None:
+    """The trainer's path: a live model object, HF engine built inside, model left in training mode."""
+    tiny_model.train()
+    res = evaluate_model(tiny_model, tiny_tokenizer, _examples(), k=2, max_new_tokens=4, batch_size=2, seed=1)
+    assert tiny_model.training
+    assert res.num_problems == 3
+    for it in res.items:
+        assert len(it["responses"]) == 2 and len(it["correct"]) == 2
+        assert all(1 <= n <= 4 for n in it["response_tokens"])
+        assert set(it["finish_reasons"]) <= {"stop", "length"}
+    assert 0.0 <= res.avg_at_k <= res.pass_at_k <= 1.0
+    again = evaluate_model(
+        tiny_model, tiny_tokenizer, _examples(), k=2, max_new_tokens=4, batch_size=2, seed=1
+    )
+    assert [it["responses"] for it in again.items] == [it["responses"] for it in res.items]  # seeded
+
+
+def test_evaluate_uses_the_training_prompt(tiny_model, tiny_tokenizer) -> None:
+    seen = []
+
+    class Spy:
+        def generate(self, prompts, n, params):
+            seen.extend(prompts)
+            return [
+                Completion(i, [tiny_tokenizer.eos_token_id], [0.0], "stop")
+                for i in range(len(prompts))
+                for _ in range(n)
+            ]
+
+    evaluate_model(tiny_model, tiny_tokenizer, _examples()[:1], engine=Spy(), instruction="Box it.")
+    assert seen == [student_prompt_ids(tiny_tokenizer, ROWS[0]["problem"], instruction="Box it.")[0]]
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path: Path, tiny_model, tiny_tokenizer) -> Path:
+    d = tmp_path / "tiny"
+    tiny_model.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def test_cli_end_to_end_two_models(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = _write_jsonl(
+        tmp_path / "data.jsonl", [{"question": r["problem"], "ans": r["answer"]} for r in ROWS]
+    )
+    p = argparse.ArgumentParser()
+    add_eval_arguments(p)
+    out = tmp_path / "out"
+    args = p.parse_args(
+        ["--model", str(tiny_model_dir), "--model", str(tiny_model_dir), "--data", str(data), "--k", "2"]
+        + ["--max-new-tokens", "3", "--problem-key", "question", "--answer-key", "ans", "--limit", "2"]
+        + ["--temperature", "0", "--out", str(out), "--no-thinking"]
+    )
+    assert args.enable_thinking is False
+    assert run_eval(args) == 0
+    printed = capsys.readouterr().out
+    assert "tiny-2" in printed and "avg@2" in printed  # side-by-side rows, duplicate label disambiguated
+
+    combined = json.loads((out / "summary.json").read_text())
+    assert set(combined["models"]) == {"tiny", "tiny-2"}
+    for label in ("tiny", "tiny-2"):
+        summary = json.loads((out / f"{label}.summary.json").read_text())
+        assert summary["num_problems"] == 2 and summary["k"] == 2
+        assert summary["settings"]["temperature"] == 0 and summary["settings"]["enable_thinking"] is False
+        assert summary["rows_in_file"] == 3
+        lines = (out / f"{label}.items.jsonl").read_text().splitlines()
+        assert len(lines) == 2
+        items = [json.loads(x) for x in lines]
+        assert items[1]["gold"] == "Sold 24 in May.\n#### 72" and items[1]["gold_normalized"] == "72"
+        for it in items:
+            assert {
+                "problem",
+                "gold",
+                "responses",
+                "extracted",
+                "correct",
+                "errors",
+                "finish_reasons",
+            } <= set(it)
+            assert len(it["responses"]) == 2
+            assert it["responses"][0] == it["responses"][1]  # greedy
+
+
+def test_missing_answer_field_names_row_and_keys(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = _write_jsonl(
+        tmp_path / "d.jsonl", [{"problem": "a", "answer": "1"}, {"problem": "b", "solution": "x"}]
+    )
+    with pytest.raises(ValueError, match=r"row 1.*'answer'.*available keys: \['problem', 'solution'\]"):
+        evaluate(str(tiny_model_dir), str(data))
+
+
+def test_unreadable_model_path(tmp_path: Path) -> None:
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(FileNotFoundError, match="nope"):
+        evaluate(str(tmp_path / "nope"), str(data))
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises((ValueError, OSError), match="empty_dir"):
+        evaluate(str(tmp_path / "empty_dir"), str(data))
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"k": 0}, "k=0"),
+        ({"k": -2}, "k=-2"),
+        ({"limit": 0}, "limit=0"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"engine": "tgi"}, "tgi"),
+    ],
+)
+def test_bad_settings(tmp_path: Path, tiny_model_dir: Path, kw: dict, match: str) -> None:
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(ValueError, match=match):
+        evaluate(str(tiny_model_dir), str(data), **kw)
+
+
+def test_evaluate_model_rejects_k0_and_missing_gold(tiny_tokenizer) -> None:
+    with pytest.raises(ValueError, match="k=0"):
+        evaluate_model(None, tiny_tokenizer, _examples(), k=0)
+    with pytest.raises(ValueError, match="no gold answer"):
+        evaluate_model(None, tiny_tokenizer, [Example("q", "", None, 4)])
+
+
+@pytest.mark.shared_data
+def test_shared_gsm8k_loads_for_eval() -> None:
+    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.jsonl"
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    rep = load_examples(
+        str(path), problem_key="question", solution_key=None, answer_key="answer", require_answer=True
+    )
+    assert len(rep.examples) == 1319
+    from opsd.grading import normalize_gold
+
+    assert normalize_gold(rep.examples[0].answer).isdigit()
+
+
+def test_eval_result_summary_is_json(tiny_tokenizer) -> None:
+    r = EvalResult("m", 1, 1, 1.0, 1.0, 3.0, 0.0, 0.0, 0, 0, 0.1, {"k": 1}, [{"x": 1}])
+    s = r.summary()
+    assert "items" not in s and json.loads(json.dumps(s))["avg_at_k"] == 1.0

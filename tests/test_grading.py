@@ -1,0 +1,186 @@
+"""Grading on real benchmark answer formats, pathological responses, threads, and pass@k."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from opsd.grading import MAX_ANSWER_CHARS, Grade, extract_boxed, grade, normalize_gold, pass_at_k
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (r"so the answer is \boxed{42}.", "42"),
+        (r"\boxed{1} then \boxed{\frac{1}{2}}", r"\frac{1}{2}"),  # last one wins, nested braces kept
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+        (r"\fbox{7}", "7"),
+        (r"$\boxed 5$", "5"),
+        (r"\boxed{}", ""),
+        (r"no box here: 42", None),
+        (r"\boxed{\frac{1}{2}", None),  # unbalanced
+        (r"\boxed{3} and then \boxed{4", None),  # last one unbalanced: no silent fallback
+    ],
+)
+def test_extract_boxed(text: str, expected: str | None) -> None:
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize(
+    "gold, expected",
+    [
+        ("Natalia sold 48 clips...\n#### 72", "72"),
+        ("#### 1,234", "1234"),
+        ("#### -5", "-5"),
+        (r"Thus the area is $\boxed{\frac{3}{4}}$.", r"\frac{3}{4}"),
+        ("  17 ", "17"),
+    ],
+)
+def test_normalize_gold(gold: str, expected: str) -> None:
+    assert normalize_gold(gold) == expected
+
+
+@pytest.mark.parametrize(
+    "response, gold",
+    [
+        (r"\boxed{0.5}", r"\frac{1}{2}"),
+        (r"\boxed{1/2}", r"\frac{1}{2}"),
+        (r"\boxed{\dfrac{1}{2}}", r"\frac12"),
+        (r"\boxed{\text{(B)}}", "B"),
+        (r"\boxed{\text{east}}", r"\text{east}"),
+        (r"\boxed{(1,2)}", "(1, 2)"),
+        (r"\boxed{073}", "73"),
+        (r"The total is \boxed{72}", "She sold 48/2 = 24 in May.\n#### 72"),
+        (r"\boxed{1,234}", "#### 1,234"),
+        (r"\boxed{-3}", "-3"),
+        (r"\boxed{\frac{\sqrt3}{2}}", r"\frac{\sqrt{3}}{2}"),
+        (r"\boxed{\{2,1\}}", r"\{1,2\}"),
+        (r"\boxed{[1,2)}", "[1,2)"),
+        (r"\boxed{(-\infty, 3]}", r"(-\infty,3]"),
+        (r"\boxed{2^{2^{10}}}", "2^{1024}"),
+    ],
+)
+def test_equivalent_answers_are_correct(response: str, gold: str) -> None:
+    g = grade(response, gold)
+    assert g == Grade(correct=True, extracted=extract_boxed(response), error=None)
+
+
+@pytest.mark.parametrize(
+    "response, gold",
+    [
+        (r"\boxed{3}", "-3"),
+        (r"\boxed{(2,1)}", "(1,2)"),
+        (r"\boxed{[1,2]}", "[1,2)"),
+        (r"\boxed{71}", "#### 72"),
+        (r"\boxed{\frac{1}{3}}", "0.5"),
+    ],
+)
+def test_wrong_answers_are_incorrect(response: str, gold: str) -> None:
+    g = grade(response, gold)
+    assert not g.correct and g.error is None
+
+
+@pytest.mark.parametrize("response", ["", "The answer is 72.", r"\boxed{}", r"\boxed{72"])
+def test_missing_empty_or_unbalanced_answer_is_incorrect(response: str) -> None:
+    g = grade(response, "72")
+    assert not g.correct and g.error is None
+
+
+def test_enormous_answer_is_incorrect_with_error() -> None:
+    g = grade(r"\boxed{" + "1" * 100_000 + "}", "1")
+    assert not g.correct
+    assert g.error is not None and str(MAX_ANSWER_CHARS) in g.error
+    assert len(g.extracted or "") <= 200  # the verdict does not carry the whole blob around
+
+
+def test_enormous_response_with_small_answer_is_graded() -> None:
+    assert grade("x" * 100_000 + r" \boxed{5}", "5").correct
+
+
+def test_power_tower_is_refused_not_hung() -> None:
+    g = grade(r"\boxed{10^{10^{10^{10}}}}", "5")
+    assert not g.correct and g.error is not None and "too large" in g.error
+
+
+def test_unparseable_gold_is_recorded() -> None:
+    g = grade(r"\boxed{5}", "   ")
+    assert not g.correct and g.error == "empty gold answer"
+
+
+def test_grading_off_the_main_thread() -> None:
+    cases = [
+        (r"\boxed{\frac12}", "0.5", True),
+        (r"\boxed{073}", "#### 73", True),
+        (r"\boxed{4}", "5", False),
+        (r"\boxed{10^{10^{10^{10}}}}", "5", False),
+        (r"\boxed{" + "9" * 5000 + "}", "5", False),
+    ]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        grades = list(pool.map(lambda c: grade(c[0], c[1]), cases))
+    assert [g.correct for g in grades] == [c[2] for c in cases]
+    assert all(g.error is None for g in grades[:3])
+    assert all(g.error is not None for g in grades[3:])
+
+
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (5, 2, 1, 0.4),
+        (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+        (5, 0, 3, 0.0),
+        (5, 5, 3, 1.0),
+        (5, 4, 2, 1.0),  # fewer wrong samples than k: always a correct one in the draw
+        (10, 3, 5, 1 - math.comb(7, 5) / math.comb(10, 5)),
+        (1, 1, 1, 1.0),
+    ],
+)
+def test_pass_at_k(n: int, c: int, k: int, expected: float) -> None:
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_large_n_is_stable() -> None:
+    assert pass_at_k(1000, 1, 1) == pytest.approx(0.001)
+    assert pass_at_k(1000, 500, 500) == pytest.approx(1 - math.comb(500, 500) / math.comb(1000, 500))
+
+
+@pytest.mark.parametrize("n, c, k", [(5, 2, 6), (5, 2, 0), (5, 6, 1), (0, 0, 1), (5, -1, 1)])
+def test_pass_at_k_bad_input(n: int, c: int, k: int) -> None:
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(n, c, k)
+
+
+def test_timeout_on_main_thread_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from math_verify.utils import timeout
+
+    import opsd.grading as grading
+
+    @timeout(1)  # math-verify's own SIGALRM mechanism, as inside verify()
+    def slow(*args, **kwargs):
+        time.sleep(5)
+        return True
+
+    def fake_verify(gold, target, timeout_seconds=None, raise_on_error=False):
+        assert timeout_seconds == 1  # main thread: timeouts on
+        return slow()
+
+    monkeypatch.setattr(grading, "verify", fake_verify)
+    g = grading.grade(r"\boxed{5}", "5", timeout_s=1)
+    assert g == Grade(correct=False, extracted="5", error="math-verify timed out after 1s")
+
+
+def test_grader_exception_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import opsd.grading as grading
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("sympy exploded")
+
+    monkeypatch.setattr(grading, "verify", broken)
+    g = grading.grade(r"\boxed{5}", "5")
+    assert not g.correct and g.error is not None and "sympy exploded" in g.error
+    monkeypatch.setattr(grading, "parse", broken)
+    g = grading.grade(r"\boxed{5}", "5")
+    assert not g.correct and g.error is not None and g.error.startswith("parse failed")

@@ -1,0 +1,123 @@
+"""`opsd report` on synthetic run directories: still-running, resumed, eval in either place."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from opsd.report import add_report_arguments, load_run_metrics, run_report, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _train_record(step: int, loss: float) -> dict:
+    return {
+        "step": step,
+        "loss": loss,
+        "divergence": loss / 2,
+        "clip_frac": 0.1,
+        "entropy_student": 1.5,
+        "entropy_teacher": 1.2,
+        "agreement": 0.8,
+        "resp_len_mean": 100.0 + step,
+        "resp_len_max": 256,
+        "truncated_frac": 0.05,
+        "tokens_per_s": 900.0,
+        "time_rollout": 1.0,
+        "time_teacher": 0.3,
+        "time_student": 0.5,
+        "time_optim": 0.1,
+        "peak_mem_gb": 3.2,
+        "lr": 1e-5,
+        "grad_norm": 0.7,
+    }
+
+
+def _write_run(run_dir: Path) -> None:
+    """Steps 1..6, crash, resume from step 4 (steps 4..8 re-logged with different loss), run still writing."""
+    lines = [json.dumps(_train_record(s, 10.0 - s)) for s in range(1, 7)]
+    lines.append(json.dumps({"step": 5, "eval/avg@1": 0.2, "eval/pass@1": 0.2, "eval/resp_len_mean": 80.0}))
+    lines += [json.dumps(_train_record(s, 100.0 + s)) for s in range(4, 9)]
+    lines.append(json.dumps({"step": 8, "loss": None, "note": "text values are ignored"}))
+    lines.append('{"step": 9, "loss": 0.')  # partial last line
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines))
+    (run_dir / "config.yaml").write_text("model: tiny\nlr: 1.0e-05\n")
+
+
+def _assert_png(path: Path) -> None:
+    assert path.stat().st_size > 0
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        assert im.size[0] > 100 and im.size[1] > 100
+
+
+def test_load_dedupes_resumed_steps_and_counts_partial_line(tmp_path: Path) -> None:
+    _write_run(tmp_path / "run")
+    m = load_run_metrics(tmp_path / "run")
+    assert list(m.train) == list(range(1, 9))
+    assert m.train[4]["loss"] == 104.0  # resumed record wins
+    assert m.train[3]["loss"] == 7.0
+    assert m.replaced_steps == 3  # steps 4, 5, 6 re-logged
+    assert m.eval == {5: {"eval/avg@1": 0.2, "eval/pass@1": 0.2, "eval/resp_len_mean": 80.0}}
+    assert len(m.bad_lines) == 1 and "partial" in m.bad_lines[0]
+
+
+def test_write_report_makes_pngs_and_markdown(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _write_run(run)
+    report = write_report(run)
+    assert report == run / "report" / "report.md"
+    pngs = sorted(p.name for p in (run / "report").glob("*.png"))
+    expected = ["agreement", "clip_frac", "entropy", "eval", "loss", "optim", "response_length", "throughput"]
+    assert pngs == sorted(f"{s}.png" for s in expected)
+    for name in pngs:
+        _assert_png(run / "report" / name)
+    md = report.read_text()
+    for name in pngs:
+        assert f"({name})" in md
+    assert "model: tiny" in md  # config embedded
+    assert "| loss | 108 | 8 |" in md  # final number is the resumed run's
+    assert "| eval/avg@1 | 0.2 | 5 |" in md
+    assert "1 line(s) skipped" in md and "superseded" in md
+
+
+def test_missing_keys_and_separate_eval_file(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "loss": 1.0 / s, "tokens_per_s": 50.0}) for s in range(1, 4)) + "\n"
+    )
+    (run / "eval.jsonl").write_text(json.dumps({"step": 2, "avg@4": 0.5, "pass@4": 0.75}) + "\n")
+    write_report(run)
+    pngs = sorted(p.name for p in (run / "report").glob("*.png"))
+    assert pngs == ["eval.png", "loss.png", "throughput.png"]
+    assert load_run_metrics(run).eval[2] == {"eval/avg@4": 0.5, "eval/pass@4": 0.75}
+
+
+def test_empty_run_still_reports_and_missing_run_errors(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        write_report(run)
+    (run / "metrics.jsonl").write_text("")
+    md = write_report(run).read_text()
+    assert "none yet" in md
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        write_report(tmp_path / "nope")
+
+
+def test_cli_glue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    p = argparse.ArgumentParser()
+    add_report_arguments(p)
+    assert run_report(p.parse_args([str(tmp_path / "run")])) == 0
+    assert "report.md" in capsys.readouterr().out
+    assert (tmp_path / "run" / "report" / "loss.png").stat().st_size > 0
