@@ -225,8 +225,8 @@ def _check_logits(zs: Tensor, zt: Tensor, targets: Tensor | None, mode: str) -> 
 
 
 def _chunk_loss_and_grad(
-    zs: Tensor,
-    zt: Tensor,
+    a: Tensor,
+    b: Tensor,
     targets: Tensor | None,
     w: Tensor,
     *,
@@ -239,33 +239,30 @@ def _chunk_loss_and_grad(
     need_grad: bool,
     with_stats: bool,
 ) -> tuple[Tensor, Tensor | None, LossStats]:
-    """Loss, d(sum_n w_n L_n)/d z_s and stats for one chunk of logits ``[c, V]``.
+    """Loss, d(sum_n w_n L_n)/d z_s and stats for one chunk of tempered logits ``a = z_s/T``, ``b = z_t/T``.
 
-    The gradient is analytic. With ``g_i = dL/dS_i`` it is ``S (g - <S, g>) / T``:
-    forward KL gives ``g = -P/S`` (written as ``S <P> - P`` to avoid dividing by S),
-    reverse KL ``g = log S - log P + 1``, and the mixture ``g = (1-beta)(log S - log M)``.
-    Clipped entries have ``g_i = 0``; clipped tokens have no gradient at all.
+    The gradient is analytic. With ``g_i = dL/dS_i`` it is ``S (g - <S, g>) / T``: forward KL
+    gives ``S - P`` (``S <q> - q`` with ``q = P`` masked by the entry clip), reverse KL
+    ``S (d - <S, d>)`` with ``d = log S - log P`` (+1 per kept entry when clipping), and the
+    mixture ``g = (1-beta)(log S - log M)``. Clipped entries have ``g_i = 0``; clipped tokens
+    have no gradient at all. Written to touch each ``[c, V]`` buffer as few times as possible.
     """
     inv_t = 1.0 / temperature
-    a = zs.mul_(inv_t)  # zs/zt are fresh fp32 chunks owned by the caller: scale in place
-    b = zt.mul_(inv_t)
-    stats = LossStats(tokens=float(zs.shape[0]))
-    if with_stats:
-        log_s_full = a.log_softmax(-1)
-        log_p_full = b.log_softmax(-1)
-        stats.entropy_student = float(-(log_s_full.exp() * log_s_full).sum())
-        stats.entropy_teacher = float(-(log_p_full.exp() * log_p_full).sum())
-        stats.agree = float((a.argmax(-1) == b.argmax(-1)).sum())
+    stats = LossStats(tokens=float(a.shape[0]))
     idx = None
     if mode == "topk":
         idx = b.topk(topk, dim=-1).indices
-        a, b = a.gather(-1, idx), b.gather(-1, idx)
-        log_s, log_p = a.log_softmax(-1), b.log_softmax(-1)
-    elif with_stats:
-        log_s, log_p = log_s_full, log_p_full
+    log_s_full, log_p_full = a.log_softmax(-1), b.log_softmax(-1)
+    if with_stats:
+        stats.entropy_student = float(-torch.linalg.vecdot(log_s_full.exp(), log_s_full).sum())
+        stats.entropy_teacher = float(-torch.linalg.vecdot(log_p_full.exp(), log_p_full).sum())
+        stats.agree = float((a.argmax(-1) == b.argmax(-1)).sum())
+    if idx is not None:
+        log_s = a.gather(-1, idx).log_softmax(-1)
+        log_p = b.gather(-1, idx).log_softmax(-1)
     else:
-        log_s, log_p = a.log_softmax(-1), b.log_softmax(-1)
-    del a, b
+        log_s, log_p = log_s_full, log_p_full
+    del log_s_full, log_p_full
     s = log_s.exp()
     w_col = w[:, None]
 
@@ -281,23 +278,38 @@ def _chunk_loss_and_grad(
             grad.scatter_add_(-1, y, -adv * w_col * inv_t)
         return (rows * w).sum(), grad, stats
 
+    # Per-entry terms ell = f * d summed over the vocabulary; g is dL/dS before the softmax Jacobian.
     if beta == 0.0:
         p = log_p.exp()
-        ell = p * (log_p - log_s)
+        f, d = p, log_p - log_s  # ell = P (log P - log S)
     elif beta == 1.0:
-        ell = s * (log_s - log_p)
+        f, d = s, log_s - log_p  # ell = S (log S - log P)
     else:
-        log_m = torch.logaddexp(log_s + math.log(1 - beta), log_p + math.log(beta))
-        ell = beta * log_p.exp() * (log_p - log_m) + (1 - beta) * s * (log_s - log_m)
-    raw_rows = ell.sum(-1)
+        p = log_p.exp()
+        log_m = torch.lerp(s, p, beta).clamp_min_(torch.finfo(s.dtype).tiny).log_()
+        d_p = log_p.sub_(log_m)  # log_p is not needed any more
+        d_s = log_s.sub_(log_m)
+        del log_m
+    if 0.0 < beta < 1.0 and clip_mode != "entry":
+        raw_rows = beta * torch.linalg.vecdot(p, d_p) + (1 - beta) * torch.linalg.vecdot(s, d_s)
+        ell = None
+    elif 0.0 < beta < 1.0:
+        ell = (p * d_p).mul_(beta).add_(s * d_s, alpha=1 - beta)
+        raw_rows = ell.sum(-1)
+    elif clip_mode == "entry":
+        ell = f * d
+        raw_rows = ell.sum(-1)
+    else:
+        ell = None
+        raw_rows = torch.linalg.vecdot(f, d)
     stats.divergence = float(raw_rows.sum())
 
-    entry_keep = None
+    keep = None  # entry mask
     token_keep = None
     if clip_mode == "entry":
-        entry_keep = ell <= clip
-        rows = torch.where(entry_keep, ell, ell.new_tensor(clip)).sum(-1)
-        stats.clipped = float((~entry_keep).sum())
+        keep = ell <= clip
+        rows = torch.where(keep, ell, ell.new_tensor(clip)).sum(-1)
+        stats.clipped = float(ell.numel() - keep.sum())
         stats.clip_total = float(ell.numel())
     elif clip_mode == "token":
         token_keep = raw_rows <= clip
@@ -314,19 +326,23 @@ def _chunk_loss_and_grad(
         if token_keep is not None:
             scale = scale * token_keep[:, None]
         if beta == 0.0:
-            q = p if entry_keep is None else p * entry_keep  # d/da = S <q> - q
-            grad = s.mul_(q.sum(-1, keepdim=True)).sub_(q).mul_(scale)
-        else:
-            if beta == 1.0:
-                g = (log_s - log_p).add_(1.0)
+            if keep is None:  # S - P
+                grad = s.sub_(p)
+            else:  # S <q> - q with q = P on kept entries
+                q = p.mul_(keep)
+                grad = s.mul_(q.sum(-1, keepdim=True)).sub_(q)
+        elif beta == 1.0:
+            if keep is None:  # S (d - <S, d>): the +1 of dL/dS cancels because sum S = 1
+                grad = d.sub_(raw_rows[:, None]).mul_(s)
             else:
-                g = (log_s - log_m).mul_(1 - beta)
-            if entry_keep is not None:
-                g.mul_(entry_keep)
-            g.sub_((s * g).sum(-1, keepdim=True))
-            grad = g.mul_(s).mul_(scale)
+                g = d.add_(1.0).mul_(keep)
+                grad = g.sub_(torch.linalg.vecdot(s, g)[:, None]).mul_(s)
+        else:
+            g = d_s if keep is None else d_s.mul_(keep)
+            grad = g.sub_(torch.linalg.vecdot(s, g)[:, None]).mul_(s).mul_(1 - beta)
+        grad.mul_(scale)
         if idx is not None:
-            grad = torch.zeros_like(zs).scatter_(-1, idx, grad)
+            grad = torch.zeros_like(a).scatter_(-1, idx, grad)
     return (rows * w).sum(), grad, stats
 
 
@@ -417,18 +433,19 @@ def fused_linear_distill(
     total = torch.zeros((), dtype=dtype, device=student_hidden.device)
     stats = LossStats()
     step = chunk_size or auto_chunk_size(vocab)
+    inv_t = 1.0 / temperature
     for start in range(0, rows.numel(), step):
         idx = rows[start : start + step]
         hs = hs_all.index_select(0, idx).to(dtype)
-        zs = hs @ ws.t()
-        zt = ht_all.index_select(0, idx).to(dtype) @ wt.t()
+        a = (hs * inv_t) @ ws.t()  # tempered logits, one chunk
+        b = (ht_all.index_select(0, idx).to(dtype) * inv_t) @ wt.t()
         y = targets.index_select(0, idx) if targets is not None else None
         loss, gz, st = _chunk_loss_and_grad(
-            zs, zt, y, w_all.index_select(0, idx),
+            a, b, y, w_all.index_select(0, idx),
             mode=mode, beta=beta, temperature=temperature, clip_mode=clip_mode, clip=clip, topk=topk,
             need_grad=need_grad_h or need_grad_w, with_stats=with_stats,
         )
-        del zs, zt
+        del a, b
         total += loss
         stats.add(st)
         if gz is not None:
