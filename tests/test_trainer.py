@@ -285,3 +285,22 @@ def test_data_parallel_ranks_stay_in_sync(assets, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     fresh = Trainer(make_cfg(assets, tmp_path / "single"))
     assert any(not torch.equal(a, p) for a, p in zip(r0["params"], fresh.params))  # they did move
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_two_steps_on_real_smollm2(smollm2_path, tmp_path):
+    rows = [{"problem": "What is 12 + 30?", "solution": "12 + 30 = 42, so the answer is 42.", "answer": "42"},
+            {"problem": "What is 7 * 6?", "solution": "7 * 6 = 42.", "answer": "42"}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(None, [
+        f"model.path={smollm2_path}", f"data.path={data}", f"logging.run_dir={tmp_path / 'run'}",
+        "model.lora.r=8", "rollout.prompts_per_step=2", "rollout.max_new_tokens=16", "optim.max_steps=2",
+        "checkpoint.every=0", "logging.progress=false", "device=cpu",
+    ])
+    tr = Trainer(cfg)
+    hist = tr.train()
+    assert len(hist) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
+    assert hist[0]["divergence"] > 0 and 0 < hist[0]["agreement"] <= 1
+    assert list_checkpoints(tmp_path / "run")[-1].name == "step_000002"
