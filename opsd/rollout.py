@@ -10,7 +10,13 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.generation.logits_process import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -59,7 +65,9 @@ def _check_prompts(prompts: list[list[int]], n: int, vocab_size: int | None) -> 
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
-            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): min {min(p)}, max {max(p)}")
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {vocab_size}): min {min(p)}, max {max(p)}"
+            )
 
 
 def _stop_ids(tokenizer, model, extra: list[int]) -> list[int]:
@@ -101,7 +109,9 @@ class _Warp(LogitsProcessor):
 class _Recorder(StoppingCriteria):
     """Runs after each sampled token: records its log-prob and where each row hit a stop condition."""
 
-    def __init__(self, warp: _Warp, prompt_len: int, stop_ids: list[int], stop_strings: list[str], tokenizer) -> None:
+    def __init__(
+        self, warp: _Warp, prompt_len: int, stop_ids: list[int], stop_strings: list[str], tokenizer
+    ) -> None:
         self.warp, self.prompt_len = warp, prompt_len
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long)
         self.stop_strings, self.tokenizer = stop_strings, tokenizer
@@ -113,23 +123,25 @@ class _Recorder(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         step = input_ids.shape[1] - self.prompt_len  # response tokens so far, including `new`
         new = input_ids[:, -1]
-        lp = self.warp.last.gather(1, new[:, None]).squeeze(1)
-        self.logprobs.append(lp.cpu())
+        # Stays on the model's device: no host sync per step unless stop strings need decoding.
+        self.logprobs.append(self.warp.last.gather(1, new[:, None]).squeeze(1))
         if self.end is None:
-            self.end = torch.full((input_ids.shape[0],), -1, dtype=torch.long)
-        hit = torch.isin(new.cpu(), self.stop_ids)
+            self.end = torch.full((input_ids.shape[0],), -1, dtype=torch.long, device=new.device)
+            self.stop_ids = self.stop_ids.to(new.device)
+        hit = torch.isin(new, self.stop_ids)
         if self.stop_strings:
             open_rows = (self.end < 0) & ~hit
             rows = open_rows.nonzero().flatten().tolist()
             if rows:
                 lo = max(self.prompt_len, input_ids.shape[1] - self.window)
-                texts = self.tokenizer.batch_decode(input_ids[rows, lo:].cpu().tolist(), skip_special_tokens=False)
+                texts = self.tokenizer.batch_decode(
+                    input_ids[rows, lo:].cpu().tolist(), skip_special_tokens=False
+                )
                 for r, text in zip(rows, texts):
                     if any(s in text for s in self.stop_strings):
                         hit[r] = True
-        newly = hit & (self.end < 0)
-        self.end[newly] = step
-        return (self.end >= 0).to(input_ids.device)
+        self.end = torch.where(hit & (self.end < 0), step, self.end)
+        return self.end >= 0
 
 
 class HFEngine:
@@ -213,11 +225,12 @@ class HFEngine:
             stopping_criteria=StoppingCriteriaList([rec]),
         )
         gen = seqs[:, width:].cpu()
-        logprobs = torch.stack(rec.logprobs, dim=1) if rec.logprobs else torch.zeros(len(batch), 0)
+        logprobs = torch.stack(rec.logprobs, dim=1).cpu() if rec.logprobs else torch.zeros(len(batch), 0)
+        ends = rec.end.cpu() if rec.end is not None else torch.full((len(batch),), -1)
         out = []
         for r in range(len(batch)):
-            stopped = rec.end is not None and int(rec.end[r]) >= 0
-            keep = int(rec.end[r]) if stopped else min(gen.shape[1], params.max_new_tokens)
+            stopped = int(ends[r]) >= 0
+            keep = int(ends[r]) if stopped else min(gen.shape[1], params.max_new_tokens)
             out.append(
                 Completion(
                     prompt_index=-1,
@@ -229,20 +242,33 @@ class HFEngine:
         return out
 
 
-def _peft_merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """Full-model weights with the LoRA deltas folded in, under the base model's parameter names."""
-    model.merge_adapter()
-    try:
-        sd = {}
-        for k, v in model.state_dict().items():
-            if "lora_" in k or "original_module" in k:
-                continue
-            k = k.removeprefix("base_model.model.").replace(".base_layer", "")
-            k = k.replace(".modules_to_save.default", "")
-            sd[k] = v.detach().clone()
-        return sd
-    finally:
-        model.unmerge_adapter()
+def _base_name(key: str) -> str:
+    """PEFT parameter name -> the base model's name (what vLLM's load_weights expects)."""
+    key = key.removeprefix("base_model.model.").replace(".base_layer", "")
+    return key.replace(".modules_to_save.default", "")
+
+
+def peft_merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """Full weights with the active LoRA deltas folded in, under the base model's names.
+
+    Computed out of place: merge_adapter()/unmerge_adapter() round-trips would slowly corrupt
+    bf16 base weights over thousands of syncs.
+    """
+    sd = {
+        _base_name(k): v.detach()
+        for k, v in model.state_dict().items()
+        if "lora_" not in k and "original_module" not in k
+    }
+    for name, mod in model.named_modules():
+        if not (hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer")) or getattr(
+            mod, "merged", False
+        ):
+            continue
+        key = _base_name(f"{name}.base_layer.weight")
+        for adapter in mod.active_adapters:
+            if adapter in getattr(mod, "lora_A", {}):
+                sd[key] = sd[key] + mod.get_delta_weight(adapter).detach().to(sd[key].dtype)
+    return sd
 
 
 def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
@@ -267,6 +293,7 @@ class VLLMEngine:
         enable_sleep_mode: bool = True,
         sleep_level: int = 1,
         seed: int = 0,
+        batch_size: int | None = None,
         **llm_kwargs,
     ) -> None:
         try:
@@ -285,7 +312,9 @@ class VLLMEngine:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         path = model_path or getattr(base.config, "_name_or_path", None)
         if not path:
-            raise ValueError("VLLMEngine needs model_path: the model object does not record where it came from")
+            raise ValueError(
+                "VLLMEngine needs model_path: the model object does not record where it came from"
+            )
         if tensor_parallel_size == 1:
             # Keep the engine core in this process so sync_weights can copy tensors directly.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -303,6 +332,8 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled
             **llm_kwargs,
         )
+        if batch_size is not None:  # vLLM schedules continuously; this caps concurrent sequences
+            kwargs.setdefault("max_num_seqs", batch_size)
         try:
             self.llm = vllm.LLM(**kwargs)
         except TypeError as err:
@@ -333,8 +364,9 @@ class VLLMEngine:
         _check_prompts(prompts, n, None)
         if self.asleep:
             self.wake()
-        base_seed = params.seed if params.seed is not None else None
-        sps = [self._sampling_params(n, params, None if base_seed is None else base_seed + i) for i in range(len(prompts))]
+        # one request per prompt; distinct seeds so equal prompts still get different samples
+        seeds = [None if params.seed is None else params.seed + i for i in range(len(prompts))]
+        sps = [self._sampling_params(n, params, s) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
         comps: list[Completion] = []
         for i, out in enumerate(outs):
@@ -342,7 +374,9 @@ class VLLMEngine:
                 toks = list(o.token_ids)
                 lps = [float(d[t].logprob) for d, t in zip(o.logprobs or [], toks)]
                 if len(lps) != len(toks):
-                    raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(toks)} tokens (prompt {i})")
+                    raise RuntimeError(
+                        f"vLLM returned {len(lps)} log-probs for {len(toks)} tokens (prompt {i})"
+                    )
                 comps.append(Completion(i, toks, lps, "stop" if o.finish_reason == "stop" else "length"))
         return comps
 
@@ -356,7 +390,8 @@ class VLLMEngine:
     def sync_weights(self, model) -> None:
         """Copy the trainer's current weights in (LoRA: merged into the base weights)."""
         self.model = model
-        state = _peft_merged_state_dict(model) if hasattr(model, "merge_adapter") else model.state_dict()
+        is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+        state = peft_merged_state_dict(model) if is_peft else model.state_dict()
         if self.asleep:
             self.llm.wake_up(tags=["weights"])  # KV cache stays freed until generate() needs it
         direct = self._direct_model()

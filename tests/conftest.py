@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Before torch starts OpenMP: on a busy 2-core CI box, spin-waiting threads (the default) make
+# small forwards several times slower, and the tests spawn worker processes of their own.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
