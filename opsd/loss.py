@@ -358,6 +358,8 @@ class _PrecomputedGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         grad_h, grad_w = ctx.saved_tensors
+        if bool(grad_out == 1):  # the usual loss.backward(): hand over the saved buffers, no [V, H] copy
+            return None, grad_h, grad_w if ctx.has_grad_w else None, None, None
         gw = grad_w * grad_out.to(grad_w.dtype) if ctx.has_grad_w else None
         return None, grad_h * grad_out.to(grad_h.dtype), gw, None, None
 

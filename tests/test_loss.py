@@ -348,3 +348,13 @@ def test_vocab_parallel_matches_dense_over_two_gloo_processes():
             loss, grad = results[rank][(beta, cm)]
             assert abs(loss - dense.item()) < 1e-10, (beta, cm, rank)
             torch.testing.assert_close(grad, zs.grad[:, rank * 20 : (rank + 1) * 20])
+
+
+def test_backward_scales_with_the_incoming_gradient():
+    hs, ht, w, _ = make(seed=9)
+    h1, w1 = hs.clone().requires_grad_(), w.clone().requires_grad_()
+    fused_linear_distill(h1, w1, ht, w1, beta=0.5)[0].backward()
+    h2, w2 = hs.clone().requires_grad_(), w.clone().requires_grad_()
+    (3.0 * fused_linear_distill(h2, w2, ht, w2, beta=0.5)[0]).backward()
+    torch.testing.assert_close(h2.grad, 3 * h1.grad)
+    torch.testing.assert_close(w2.grad, 3 * w1.grad)
