@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shutil
@@ -148,6 +149,11 @@ class Trainer:
             self._resume()
         elif self.rank == 0:
             save_config(cfg, self.run_dir / "config.yaml")
+        if self.rank == 0:
+            (self.run_dir / "data_report.json").write_text(json.dumps({"source": cfg.data.path, **self.data_report}))
+            d = self.data_report
+            print(f"data: {d['rows']} rows from {cfg.data.path} (skipped {d['skipped_bad']} bad, "
+                  f"{d['empty_solution']} with empty privileged info, dropped {d['dropped_empty']})", file=sys.stderr)
         self.metrics = MetricsWriter(
             self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
             wandb_project=cfg.logging.wandb_project, config=cfg.model_dump(mode="json"),
@@ -439,17 +445,15 @@ class Trainer:
             self._log_samples(rec["step"])
 
     def _log_samples(self, step: int) -> None:
-        import json
-
         completions, ex_idx = self._last_completions
         with (self.run_dir / "samples.jsonl").open("a") as f:
-            for c in completions[: self.cfg.logging.num_samples]:
+            for i, c in enumerate(completions[: self.cfg.logging.num_samples]):
                 ex = self.examples[ex_idx[c.prompt_index]]
-                f.write(json.dumps({
-                    "step": step, "problem": ex.problem, "answer": ex.answer,
-                    "response": self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                    "finish_reason": c.finish_reason,
-                }) + "\n")
+                response = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                f.write(json.dumps({"step": step, "problem": ex.problem, "answer": ex.answer,
+                                    "response": response, "finish_reason": c.finish_reason}) + "\n")
+                if i == 0:
+                    tqdm.write(f"  sample | {str(ex.problem)[:100]!r} -> {response[:200]!r}", file=sys.stderr)
 
     def evaluate(self) -> dict:
         """Held-out accuracy of the live model, without privileged information."""
