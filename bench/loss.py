@@ -129,9 +129,11 @@ def machine(device: str) -> str:
             (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
             platform.processor(),
         )
+    load = ", load average at the end {:.1f}/{:.1f}/{:.1f} (above {} means other jobs shared the cores)".format(
+        *os.getloadavg(), os.cpu_count()) if device == "cpu" else ""
     return (
         f"{name}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, Python {platform.python_version()}"
+        f"{torch.get_num_threads()} threads, Python {platform.python_version()}{load}"
     )
 
 
