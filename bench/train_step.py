@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=MATH)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="extra config overrides, e.g. model.gradient_checkpointing=true")
     args = ap.parse_args()
 
     from opsd.config import load_config
@@ -58,7 +59,7 @@ def main() -> None:
         "rollout.prompts_per_step=8", "rollout.n=1", "rollout.max_new_tokens=128", "rollout.temperature=1.1",
         "loss.mode=jsd", "loss.beta=0", "loss.clip_mode=entry", "loss.clip=0.05",
         "optim.max_steps=4", "optim.lr=5e-6", "optim.grad_clip=0.1", "checkpoint.every=0",
-        f"logging.run_dir={tmp / 'run'}", "logging.sample_every=0", "device=cpu",
+        f"logging.run_dir={tmp / 'run'}", "logging.sample_every=0", "device=cpu", *args.overrides,
     ])
     trainer = Trainer(cfg)
     trainer.save = lambda: None  # measure the step, not checkpoint writes
@@ -72,7 +73,9 @@ def main() -> None:
         "",
         "SmolLM2-135M-Instruct, LoRA r=16 (all projections), fp32, 8 prompts/step (MATH train rows 8-31 in "
         "file order, rows 0-7 warm up), 1 rollout each, <= 128 new tokens at T=1.1, solution as privileged "
-        "information, forward KL with entry clip 0.05. 1 warm-up step, 3 measured.",
+        "information, forward KL with entry clip 0.05. 1 warm-up step, 3 measured. "
+        f"Extra settings: {' '.join(args.overrides) or 'none'}. Load average at the end: "
+        "{:.1f}/{:.1f}/{:.1f} (above 2 means other jobs shared the cores).".format(*os.getloadavg()),
         "",
         "| step | completion tokens | rollout (s) | teacher (s) | student fwd+bwd (s) | loss (s) | optimizer (s) "
         "| outside generation (s) | ms / completion token outside generation |",
