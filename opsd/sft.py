@@ -44,14 +44,16 @@ def sft(
     seed: int = 0,
     pad_id: int = 0,
     warmup: int = 20,
+    min_lr_ratio: float = 0.0,
     progress: bool = True,
     desc: str = "sft",
     callback: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Train ``model`` in place on random batches of ``pairs``; returns the per-step mean token loss.
 
-    One call is one schedule (warmup, then cosine to zero over ``steps``): to look at the model part
-    way, pass ``callback(step, loss)`` (called after every step) rather than calling ``sft`` in pieces.
+    One call is one schedule (warmup, then cosine to ``min_lr_ratio * lr`` over ``steps``). To look at
+    the model part way, pass ``callback(step, loss)`` (called after every step) rather than calling
+    ``sft`` in pieces: each call restarts the warmup and the decay.
     """
     if not pairs:
         raise ValueError("sft: no (prompt, response) pairs to train on")
@@ -59,12 +61,17 @@ def sft(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warmup)
+            * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+        ),
     )
     rng = random.Random(seed)
     model.train()
     losses = []
-    for step in tqdm(range(steps), desc=desc, disable=not progress, leave=False, file=sys.stderr):
+    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False, file=sys.stderr, unit="step")
+    for step in bar:
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
         seqs = [p + r for p, r in batch]
         width = max(len(s) for s in seqs)
@@ -84,6 +91,7 @@ def sft(
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
         if callback is not None:
             callback(step + 1, losses[-1])
             model.train()
@@ -95,7 +103,9 @@ def sft(
 
 
 def add_sft_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF name, local dir, or a short name from `opsd fetch-model`")
+    p.add_argument(
+        "--model", required=True, help="HF name, local dir, or a short name from `opsd fetch-model`"
+    )
     p.add_argument("--data", required=True, help="JSONL/JSON/Parquet/CSV with problem and solution fields")
     p.add_argument("--out", required=True, type=Path, help="where to save the fine-tuned model (HF format)")
     p.add_argument("--steps", type=int, default=100)
@@ -118,7 +128,9 @@ def run_sft(args: argparse.Namespace) -> int:
     try:
         rep = load_examples(args.data, problem_key=args.problem_key, solution_key=args.solution_key)
         tok = load_tokenizer(args.model)
-        model = load_model(args.model, dtype=args.dtype, device="cuda" if torch.cuda.is_available() else "cpu")
+        model = load_model(
+            args.model, dtype=args.dtype, device="cuda" if torch.cuda.is_available() else "cpu"
+        )
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"opsd sft: {e}", file=sys.stderr)
         return 1
@@ -126,12 +138,24 @@ def run_sft(args: argparse.Namespace) -> int:
     for ex in rep.examples:
         prompt, _ = student_prompt_ids(tok, ex.problem, instruction=DEFAULT_INSTRUCTION)
         resp = tok.encode(ex.solution, add_special_tokens=False) + [tok.eos_token_id]
-        pairs.append((prompt, resp)[:] if len(prompt) + len(resp) <= args.max_len
-                     else (prompt, resp[: max(1, args.max_len - len(prompt))]))
-    losses = sft(model, pairs, steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-                 pad_id=tok.pad_token_id or 0)
+        pairs.append(
+            (prompt, resp)[:]
+            if len(prompt) + len(resp) <= args.max_len
+            else (prompt, resp[: max(1, args.max_len - len(prompt))])
+        )
+    losses = sft(
+        model,
+        pairs,
+        steps=args.steps,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        pad_id=tok.pad_token_id or 0,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     tok.save_pretrained(args.out)
-    print(f"sft: {len(pairs)} rows, {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved {args.out}")
+    print(
+        f"sft: {len(pairs)} rows, {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved {args.out}"
+    )
     return 0

@@ -1,0 +1,174 @@
+"""`opsd demo` and its control for seeds 0, 1, 2 with the real default settings; writes docs/benchmarks.md.
+
+Each demo runs as the `opsd demo` command in a fresh process with an empty base-model cache, so its
+wall time includes the interpreter start, the imports and the base-model build. The control then runs
+the identical pipeline with `--control`, reusing that cached base model. Runs are sequential, one
+process at a time; the load average around each run is recorded because other jobs sharing the cores
+slow it down.
+
+    python bench/demo.py                      # seeds 0 1 2, about 15 minutes on a quiet 2-core CPU
+    python bench/demo.py --seeds 0 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _md import write_section  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# Targets from issue 5.
+MAX_WALL_S = 360.0
+MIN_GAIN = 0.20
+MIN_GAP_CLOSED = 0.5
+MAX_CONTROL_GAIN = 0.03
+
+
+def run_demo(seed: int, out: Path, cache: Path, control: bool) -> dict:
+    """One `opsd demo` in a subprocess; returns its demo_result.json plus wall time and load averages."""
+    name = f"demo{'-control' if control else ''}-seed{seed}"
+    run_dir = out / name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    cmd = [
+        sys.executable,
+        "-m",
+        "opsd.cli",
+        "demo",
+        "--seed",
+        str(seed),
+        "--cache",
+        str(cache),
+        "--run-dir",
+        str(run_dir),
+    ]
+    if control:
+        cmd.append("--control")
+    load_before = os.getloadavg()[0]
+    t0 = time.time()
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd)} failed with exit code {proc.returncode}; see {out / f'{name}.log'}"
+        )
+    r = json.loads((run_dir / "demo_result.json").read_text())
+    r.update(wall_s=wall, load_before=load_before, load_after=os.getloadavg()[0])
+    print(
+        f"{name}: {100 * r['student_before']:.1f}% -> {100 * r['student_after']:.1f}% "
+        f"(teacher {100 * r['teacher_with_solution']:.1f}%), {wall:.0f} s",
+        flush=True,
+    )
+    return r
+
+
+def machine() -> str:
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+        platform.processor(),
+    )
+    import torch
+
+    return (
+        f"{cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}; "
+        "the demo runs torch on 1 thread"
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def render(rows: list[tuple[dict, dict]], started: str) -> str:
+    s = rows[0][0]["settings"]
+    lines = [
+        f"Run {started}. Machine: {machine()}.",
+        "",
+        f"Defaults of `opsd demo`: {s['digits']}-digit addition, Llama {s['layers']}x{s['hidden']}, base model "
+        f"{s['sft_steps']} SFT steps ({int(100 * s['sft_teacher_frac'])}% of rows with the worked solution in "
+        f"context); OPSD {s['opsd_steps']} steps, {s['prompts_per_step']} problems/step, lr {s['opsd_lr']}, "
+        f"fixed teacher, forward KL; held-out accuracy on {s['n_heldout']} problems, greedy, exact final answer. "
+        "Wall time is the whole `opsd demo` command from an empty cache (base-model build included); the "
+        "control reuses that base model. Load is the 1-minute load average before / after each run "
+        f"({os.cpu_count()} cores: above that, other jobs were sharing them).",
+        "",
+        "| seed | student before | student after | teacher with solution | gain | gap closed | control before -> after "
+        "| control gain | demo wall (base build) | control wall | load demo / control |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for d, c in rows:
+        lines.append(
+            f"| {d['seed']} | {_pct(d['student_before'])} | {_pct(d['student_after'])} | "
+            f"{_pct(d['teacher_with_solution'])} | {100 * d['gain']:+.1f} | {100 * d['gap_closed']:.0f}% | "
+            f"{_pct(c['student_before'])} -> {_pct(c['student_after'])} | {100 * c['gain']:+.1f} | "
+            f"{d['wall_s']:.0f} s ({d['seconds_base_model']:.0f} s) | {c['wall_s']:.0f} s | "
+            f"{d['load_before']:.1f}/{d['load_after']:.1f} / {c['load_before']:.1f}/{c['load_after']:.1f} |"
+        )
+    checks = [
+        (
+            f"whole demo <= {MAX_WALL_S / 60:.0f} min",
+            max(d["wall_s"] for d, _ in rows) <= MAX_WALL_S,
+            f"max {max(d['wall_s'] for d, _ in rows):.0f} s",
+        ),
+        (
+            f"gain >= {100 * MIN_GAIN:.0f} points",
+            all(d["gain"] >= MIN_GAIN for d, _ in rows),
+            "min {:+.1f}".format(100 * min(d["gain"] for d, _ in rows)),
+        ),
+        (
+            f"gap closed >= {100 * MIN_GAP_CLOSED:.0f}%",
+            all(d["gap_closed"] >= MIN_GAP_CLOSED for d, _ in rows),
+            "min {:.0f}%".format(100 * min(d["gap_closed"] for d, _ in rows)),
+        ),
+        (
+            f"control gain <= {100 * MAX_CONTROL_GAIN:.0f} points",
+            all(c["gain"] <= MAX_CONTROL_GAIN for _, c in rows),
+            "max {:+.1f}".format(100 * max(c["gain"] for _, c in rows)),
+        ),
+    ]
+    lines += ["", "Targets (issue 5), over all seeds:", ""]
+    lines += [f"- {name}: {'met' if ok else 'MISSED'} ({detail})" for name, ok, detail in checks]
+    curves = "; ".join(
+        f"seed {d['seed']}: " + " ".join(f"{step}:{100 * acc:.0f}" for step, acc in d["curve"])
+        for d, _ in rows
+    )
+    lines += ["", f"Held-out accuracy (%) by OPSD step: {curves}."]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-demo", help="run directories and logs")
+    ap.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = time.strftime("%Y-%m-%d %H:%M")
+    rows = []
+    for seed in args.seeds:
+        cache = args.out / f"cache-seed{seed}"
+        if cache.exists():
+            shutil.rmtree(cache)  # an empty cache: the timed demo builds its base model
+        rows.append(
+            (run_demo(seed, args.out, cache, control=False), run_demo(seed, args.out, cache, control=True))
+        )
+    body = render(rows, started)
+    print(body)
+    if not args.no_write:
+        write_section(args.md, "Demo (bench/demo.py)", body)
+        print(f"wrote {args.md}")
+
+
+if __name__ == "__main__":
+    main()
