@@ -127,7 +127,7 @@ def make_rows(n: int, seed: int, digits: int, exclude: set[tuple[int, int]] | No
 
 
 def make_splits(seed: int, digits: int, n_sft: int, n_train: int, n_heldout: int) -> dict[str, list[dict]]:
-    """Disjoint problem sets: ``sft`` builds the base model, ``train`` is OPSD's, ``heldout`` is only scored."""
+    """Disjoint sets: ``sft`` builds the base model, ``train`` is OPSD's, ``heldout`` is only scored."""
     out: dict[str, list[dict]] = {}
     used: set[tuple[int, int]] = set()
     for k, (name, n) in enumerate((("heldout", n_heldout), ("train", n_train), ("sft", n_sft))):

@@ -397,7 +397,7 @@ class Trainer:
         end = min(cfg.optim.max_steps, until_step or cfg.optim.max_steps)
         history = []
         self._install_signal_handlers()
-        bar = tqdm(total=end, initial=self.step_num, desc="opsd train", unit="step",
+        bar = tqdm(total=cfg.optim.max_steps, initial=self.step_num, desc="opsd train", unit="step",
                    disable=not cfg.logging.progress or self.rank != 0, dynamic_ncols=True)
         try:
             while self.step_num < end:
