@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from opsd.teacher import final_hidden, head_weight, response_positions
+from opsd.teacher import final_hidden, head_weight, pad_right, response_positions
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int = 1024) -> Tensor:
@@ -74,16 +74,11 @@ def sft(
     for step in bar:
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
         seqs = [p + r for p, r in batch]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
+        ids, mask = pad_right(seqs, pad_id, device)
         resp = [len(r) for _, r in batch]
-        pos = response_positions([len(s) for s in seqs], resp, width)
+        pos = response_positions([len(s) for s in seqs], resp, ids.shape[1])
         targets = torch.tensor([t for _, r in batch for t in r], device=device)
-        hidden = final_hidden(model, ids.to(device), mask.to(device), pos)
+        hidden = final_hidden(model, ids, mask, pos)
         loss = chunked_cross_entropy(hidden, head_weight(model), targets) / len(targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -139,7 +134,7 @@ def run_sft(args: argparse.Namespace) -> int:
         prompt, _ = student_prompt_ids(tok, ex.problem, instruction=DEFAULT_INSTRUCTION)
         resp = tok.encode(ex.solution, add_special_tokens=False) + [tok.eos_token_id]
         pairs.append(
-            (prompt, resp)[:]
+            (prompt, resp)
             if len(prompt) + len(resp) <= args.max_len
             else (prompt, resp[: max(1, args.max_len - len(prompt))])
         )

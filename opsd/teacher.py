@@ -61,6 +61,17 @@ def response_positions(lengths: list[int], response_lens: list[int], width: int)
     return torch.tensor(idx, dtype=torch.long)
 
 
+def pad_right(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Right padding, one sample per row: attention never crosses samples."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
 def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
     """Final (post-norm) hidden states at ``positions``: ``[R, H]``; the model never makes logits."""
     out = base_model(model).get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import shutil
 import signal
@@ -38,9 +37,7 @@ from opsd.loss import LossStats, fused_linear_distill
 from opsd.metrics import MetricsWriter, StepTimer, peak_memory_gb
 from opsd.models import load_model, load_tokenizer
 from opsd.rollout import SamplingParams, make_engine
-from opsd.teacher import Teacher, check_plain_head, final_hidden, head_weight, response_positions
-
-log = logging.getLogger("opsd")
+from opsd.teacher import Teacher, check_plain_head, final_hidden, head_weight, pad_right, response_positions
 
 
 class TrainingError(RuntimeError):
@@ -58,17 +55,6 @@ def _all_reduce_sum(x: Tensor) -> Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(x)
     return x
-
-
-def _pad_right(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Right padding, one sample per row: attention never crosses samples."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -316,12 +302,12 @@ class Trainer:
             targets = torch.tensor([t for s in mb for t in s.student_ids[-s.response_len:]], device=dev)
 
             with timer("teacher"):
-                t_ids, t_mask = _pad_right([s.teacher_ids for s in mb], pad, dev)
+                t_ids, t_mask = pad_right([s.teacher_ids for s in mb], pad, dev)
                 t_pos = response_positions([len(s.teacher_ids) for s in mb], resp, t_ids.shape[1])
                 t_hidden, t_head = self.teacher.score(t_ids, t_mask, t_pos)
 
             with timer("student"):
-                s_ids, s_mask = _pad_right([s.student_ids for s in mb], pad, dev)
+                s_ids, s_mask = pad_right([s.student_ids for s in mb], pad, dev)
                 s_pos = response_positions([len(s.student_ids) for s in mb], resp, s_ids.shape[1])
                 s_hidden = final_hidden(self.model, s_ids, s_mask, s_pos)
 
