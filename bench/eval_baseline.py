@@ -22,13 +22,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from _md import write_section  # noqa: E402
-from math_verify import parse, verify  # noqa: E402
-from math_verify.errors import TimeoutException  # noqa: E402
 
 from opsd.data import DEFAULT_INSTRUCTION, load_examples  # noqa: E402
 from opsd.eval import evaluate_model, machine_info  # noqa: E402
-from opsd.grading import MAX_ANSWER_CHARS  # noqa: E402
-from opsd.models import cached_model_path, load_model, load_tokenizer  # noqa: E402
+from opsd.fetch import cached_model_path  # noqa: E402
+from opsd.grading import grade_lenient  # noqa: E402
+from opsd.models import load_model, load_tokenizer  # noqa: E402
 
 HEADING = "## Eval baseline (bench/eval_baseline.py)"
 SHARED = ROOT.parent / "shared" / "data"
@@ -80,19 +79,6 @@ def run_dataset(model, tok, name: str, args: argparse.Namespace) -> dict:
     return result
 
 
-def lenient_correct(response: str, gold: str) -> bool:
-    """math-verify's own extraction on the whole response (boxed, "final answer is", last expression).
-
-    Reported next to the strict \\boxed{} score because a 135M model rarely boxes its answer, and a
-    strict 0% alone says nothing about whether it can do the arithmetic.
-    """
-    try:
-        pred = parse(response[-4 * MAX_ANSWER_CHARS :])
-        return bool(pred) and verify(parse("\\boxed{" + gold + "}"), pred)
-    except (Exception, TimeoutException):
-        return False
-
-
 def wilson(c: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson interval: unlike p +- s.e., it is not [0, 0] for 0 correct out of a small n."""
     p, d = c / n, 1 + z * z / n
@@ -105,7 +91,9 @@ def summarize(result: dict) -> dict:
     items = [json.loads(x) for x in (OUT_DIR / f"{stem}.items.jsonl").read_text().splitlines()]
     n = len(items)
     correct = sum(it["num_correct"] for it in items)
-    lenient = sum(lenient_correct(r, it["gold_normalized"]) for it in items for r in it["responses"])
+    # math-verify's own extraction on the whole response: a 135M model rarely boxes its answer, and a
+    # strict 0% alone says nothing about whether it can do the arithmetic.
+    lenient = sum(grade_lenient(r, it["gold_normalized"]).correct for it in items for r in it["responses"])
     acc = correct / n
     return {
         **result,

@@ -28,7 +28,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _md import write_section  # noqa: E402
 
-from opsd.models import fetch_model, load_model, load_tokenizer  # noqa: E402
+from opsd.fetch import fetch_model  # noqa: E402
+from opsd.models import load_model, load_tokenizer  # noqa: E402
 from opsd.rollout import HFEngine, SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

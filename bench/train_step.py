@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from opsd.config import load_config
-    from opsd.models import cached_model_path
+    from opsd.fetch import cached_model_path
     from opsd.trainer import Trainer
 
     model = cached_model_path("smollm2-135m-instruct")

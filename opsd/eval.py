@@ -1,9 +1,13 @@
-"""`opsd eval`: sample k responses per problem, grade them with math-verify, report Avg@k and pass@k.
+"""`opsd eval`: sample k responses per problem, grade them, report Avg@k and pass@k.
 
-`evaluate_model` works on a live (model, tokenizer) so the trainer can evaluate every N steps without
-reloading; `evaluate` loads models from paths for the CLI and writes per-item JSONL + summary JSON.
-Prompts go through `opsd.data.student_prompt_ids`, exactly as in training, so scores match what
-the student sees.
+`evaluate_model` works on a live (model, tokenizer) so the trainer (and `opsd demo`) can evaluate
+every N steps without reloading; `evaluate` loads models from paths for the CLI and writes per-item
+JSONL + summary JSON. Prompts go through `opsd.data.student_prompt_ids`, exactly as in training, so
+scores match what the student sees. Grading is math-verify on the last \\boxed{} unless the caller
+passes its own grader (a task with its own answer format, such as the demo's).
+
+The CLI takes the same configuration dialect as `opsd train`: ``--config eval.yaml`` plus
+``section.key=value`` overrides (:class:`EvalRunConfig`); the flags are shorthands for those keys.
 """
 
 from __future__ import annotations
@@ -18,15 +22,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tqdm import tqdm
 
 from opsd.data import DEFAULT_INSTRUCTION, Example, load_examples, student_prompt_ids
-from opsd.grading import grade, normalize_gold, pass_at_k
+from opsd.errors import UserError
+from opsd.grading import GRADERS, Grader, grade, normalize_gold, pass_at_k
 from opsd.models import load_model, load_tokenizer, resolve_model_path
-from opsd.rollout import HFEngine, SamplingParams, make_engine
+from opsd.rollout import HFEngine, SamplingParams
 
 
 @dataclass
@@ -65,10 +71,13 @@ class EvalResult:
 
 def _check_settings(k: int, temperature: float, top_p: float, max_new_tokens: int, batch_size: int) -> None:
     if not isinstance(k, int) or k < 1:
-        raise ValueError(f"k={k!r} must be an integer >= 1 (samples per problem)")
+        raise UserError(f"k={k!r} must be an integer >= 1 (samples per problem)")
     if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size} must be >= 1")
-    SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens).validate()
+        raise UserError(f"batch_size={batch_size} must be >= 1")
+    try:
+        SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens).validate()
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def evaluate_model(
@@ -88,11 +97,16 @@ def evaluate_model(
     engine: Any = None,
     name: str = "model",
     progress: bool = False,
+    grader: Grader = grade,
+    prompts: list[list[int]] | None = None,
 ) -> EvalResult:
     """Generate k samples per example with `engine` (default: an HFEngine on `model`) and grade them.
 
     Pass the trainer's own engine to evaluate with vLLM; it must already hold the current weights.
-    Grading runs in the calling thread; math-verify timeouts only work on the main thread.
+    ``grader(response, gold)`` scores each sample (default: math-verify). ``prompts``: token ids to
+    generate from, one per example, instead of the student prompt (e.g. a teacher's prompt that holds
+    the privileged information); ``instruction``, ``enable_thinking`` and ``max_prompt_len`` then do
+    not apply. Grading runs in the calling thread; math-verify timeouts only work on the main thread.
     """
     _check_settings(k, temperature, top_p, max_new_tokens, batch_size)
     if not examples:
@@ -102,25 +116,28 @@ def evaluate_model(
         raise ValueError(
             f"{len(missing)} examples have no gold answer (rows {missing[:10]}); load with require_answer=True"
         )
+    if prompts is not None and len(prompts) != len(examples):
+        raise ValueError(f"{len(prompts)} prompts for {len(examples)} examples; give one per example")
     if engine is None:
         engine = HFEngine(model, tokenizer, batch_size=batch_size)
 
     t0 = time.time()
-    prompts: list[list[int]] = []
     prompts_truncated = 0
-    for ex in examples:
-        ids, truncated = student_prompt_ids(
-            tokenizer,
-            ex.problem,
-            instruction=instruction,
-            enable_thinking=enable_thinking,
-            max_len=max_prompt_len,
-        )
-        prompts.append(ids)
-        prompts_truncated += truncated
+    if prompts is None:
+        prompts = []
+        for ex in examples:
+            ids, truncated = student_prompt_ids(
+                tokenizer,
+                ex.problem,
+                instruction=instruction,
+                enable_thinking=enable_thinking,
+                max_len=max_prompt_len,
+            )
+            prompts.append(ids)
+            prompts_truncated += truncated
 
-    # HF generates batch by batch anyway, so chunking costs nothing and gives progress; vLLM wants everything at once.
-    chunk = batch_size if isinstance(engine, HFEngine) else len(prompts)
+    # Chunks of batch_size prompts: progress for the bar, and a full batch for either engine.
+    chunk = batch_size
     items: list[dict[str, Any]] = []
     bar = tqdm(
         total=len(examples), desc=f"eval {name}", unit="problem", disable=not progress, file=sys.stderr
@@ -138,7 +155,7 @@ def evaluate_model(
                 raise RuntimeError(
                     f"{type(engine).__name__}.generate broke the prompt-major order of completions"
                 )
-            items.append(_grade_item(start + j, ex, comps, tokenizer, k))
+            items.append(_grade_item(start + j, ex, comps, tokenizer, k, grader))
         bar.update(len(prompts[start : start + chunk]))
     bar.close()
 
@@ -167,14 +184,17 @@ def evaluate_model(
             "seed": seed,
             "batch_size": batch_size,
             "engine": type(engine).__name__,
+            "grader": f"{getattr(grader, '__module__', '?')}.{getattr(grader, '__qualname__', '?')}",
         },
         items=items,
     )
 
 
-def _grade_item(index: int, ex: Example, comps: list, tokenizer: Any, k: int) -> dict[str, Any]:
+def _grade_item(
+    index: int, ex: Example, comps: list, tokenizer: Any, k: int, grader: Grader
+) -> dict[str, Any]:
     responses = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
-    grades = [grade(r, ex.answer) for r in responses]
+    grades = [grader(r, ex.answer) for r in responses]
     correct = [g.correct for g in grades]
     return {
         "index": index,
@@ -281,6 +301,7 @@ def evaluate(
     dtype: str | None = None,
     out_dir: Path | None = None,
     progress: bool = False,
+    grader: Grader = grade,
 ) -> dict[str, EvalResult]:
     """Evaluate one or more models (paths or fetched short names) on a data file; returns label -> result.
 
@@ -289,12 +310,12 @@ def evaluate(
     """
     models = [model] if isinstance(model, str) else list(model)
     if not models:
-        raise ValueError("no model given")
+        raise UserError("no model given")
     _check_settings(k, temperature, top_p, max_new_tokens, batch_size)
     if limit is not None and limit < 1:
-        raise ValueError(f"limit={limit} must be >= 1")
+        raise UserError(f"limit={limit} must be >= 1")
     if engine not in ("hf", "vllm"):
-        raise ValueError(f"engine {engine!r} unknown; allowed: ['hf', 'vllm']")
+        raise UserError(f"engine {engine!r} unknown; allowed: ['hf', 'vllm']")
     report = load_examples(
         data,
         problem_key=problem_key,
@@ -305,19 +326,33 @@ def evaluate(
     )
     examples = report.examples[:limit] if limit is not None else report.examples
     # Every tokenizer first: a typo in the last model path fails before hours of generating for the first.
-    tokenizers = [load_tokenizer(m) for m in models]
+    tokenizers = [_as_user_error(load_tokenizer, m) for m in models]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
 
+    from opsd.config import RolloutConfig
+    from opsd.rollout import make_engine
+
     results: dict[str, EvalResult] = {}
     for name, label, tok in zip(models, _labels(models), tokenizers, strict=True):
-        if engine == "vllm":
-            # vLLM loads its own copy from the path; the HF copy on CPU only feeds the initial weight sync.
-            hf_model = load_model(name, dtype="bfloat16", device="cpu")
-            eng = make_engine("vllm", hf_model, tok, model_path=resolve_model_path(name), seed=seed)
-        else:
-            hf_model = load_model(name, dtype=dtype, device=device)
-            eng = make_engine("hf", hf_model, tok, batch_size=batch_size)
+        # vLLM loads its own copy from the path; the HF copy on CPU only feeds the initial weight sync.
+        hf_model = _as_user_error(
+            load_model,
+            name,
+            dtype="bfloat16" if engine == "vllm" else dtype,
+            device="cpu" if engine == "vllm" else device,
+        )
+        rollout = RolloutConfig(
+            engine=engine, batch_size=batch_size, max_new_tokens=max_new_tokens, vllm_sleep_level=0
+        )  # eval never sleeps; one engine per model, closed after it
+        eng = make_engine(
+            rollout,
+            hf_model,
+            tok,
+            seed=seed,
+            max_prompt_len=max_prompt_len,
+            model_path=str(resolve_model_path(name)) if engine == "vllm" else None,
+        )
         res = evaluate_model(
             hf_model,
             tok,
@@ -334,12 +369,14 @@ def evaluate(
             engine=eng,
             name=label,
             progress=progress,
+            grader=grader,
         )
         res.settings.update(device=device, dtype=dtype if engine == "hf" else "bfloat16")
         results[label] = res
         if out_dir is not None:
             extra = {"model": name, "data": str(data), "rows_in_file": len(report.examples)}
             write_outputs(res, Path(out_dir), label, extra)
+        eng.close()
         del eng, hf_model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -360,70 +397,207 @@ def evaluate(
     return results
 
 
+def _as_user_error(load: Any, name: str, **kw: Any) -> Any:
+    """``load(name, **kw)``, with a model that cannot be found or read reported as the user's mistake."""
+    try:
+        return load(name, **kw)
+    except (OSError, ValueError) as e:  # FileNotFoundError is an OSError; UserError a ValueError
+        raise UserError(" ".join(str(e).split())) from e
+
+
+# ----------------------------------------------------------------------------------------------
+# `opsd eval`: the same YAML + section.key=value dialect as `opsd train`.
+
+
+class EvalModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: list[str] = Field(min_length=1)  # model dirs or fetched short names; several: a side-by-side table
+    dtype: Literal["float32", "bfloat16"] | None = None  # None: bfloat16 on cuda, float32 on cpu
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+
+class EvalDataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str  # JSONL/JSON/Parquet/CSV file, save_to_disk dir or hub name; every row needs an answer
+    problem_key: str = "problem"  # GSM8K: question
+    answer_key: str = "answer"  # GSM8K's "... #### N" is understood
+    split: str = "test"  # for dataset directories and hub names
+    instruction: str = DEFAULT_INSTRUCTION  # appended to each problem, as in training
+    student_thinking: bool | None = None  # enable_thinking in the chat template; None = template default
+    max_prompt_len: int | None = Field(None, ge=8)  # longer prompts are cut (counted in the summary)
+    limit: int | None = Field(None, ge=1)  # the first N problems only
+
+
+class EvalRolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    engine: Literal["hf", "vllm"] = "hf"
+    temperature: float = Field(0.6, ge=0)  # 0: greedy
+    top_p: float = Field(0.95, gt=0, le=1)
+    max_new_tokens: int = Field(1024, ge=1)
+    batch_size: int = Field(32, ge=1)  # sequences per HF generate call
+
+
+class EvalRunConfig(BaseModel):
+    """Everything `opsd eval` reads, with the section names `opsd train` uses for the same things."""
+
+    model_config = ConfigDict(extra="forbid")
+    seed: int = 0
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    k: int = Field(1, ge=1)  # samples per problem (Avg@k, pass@k)
+    # opsd.grading.GRADERS: math-verify on the last \\boxed{}, or on its own extraction from the response
+    grader: Literal["boxed", "lenient"] = "boxed"
+    out: str | None = None  # output dir; None: runs/eval-<data>-<time>
+    model: EvalModelConfig
+    data: EvalDataConfig
+    rollout: EvalRolloutConfig = EvalRolloutConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections(cls, tree: Any) -> Any:
+        """An absent section reports its missing keys (model.path), not just the section's name."""
+        return {**{k: {} for k in ("model", "data")}, **tree} if isinstance(tree, dict) else tree
+
+
+def evaluate_config(
+    cfg: EvalRunConfig, out_dir: Path | None, progress: bool = False
+) -> dict[str, EvalResult]:
+    """:func:`evaluate` with the settings of an :class:`EvalRunConfig`."""
+    d, r = cfg.data, cfg.rollout
+    return evaluate(
+        cfg.model.path,
+        d.path,
+        k=cfg.k,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        enable_thinking=d.student_thinking,
+        engine=r.engine,
+        answer_key=d.answer_key,
+        problem_key=d.problem_key,
+        split=d.split,
+        instruction=d.instruction,
+        max_prompt_len=d.max_prompt_len,
+        limit=d.limit,
+        seed=cfg.seed,
+        batch_size=r.batch_size,
+        device=None if cfg.device == "auto" else cfg.device,
+        dtype=cfg.model.dtype,
+        out_dir=out_dir,
+        progress=progress,
+        grader=GRADERS[cfg.grader],
+    )
+
+
+_KEY_LIKE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=")
+
+
+def flag_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """Dotted overrides for the shorthand flags that were given (argparse dest -> config key).
+
+    Values are written as JSON, which YAML reads back unchanged (a path stays a string, a list a list).
+    """
+    return [
+        f"{key}={json.dumps(str(v) if isinstance(v, Path) else v)}"
+        for dest, key in flags.items()
+        if (v := getattr(args, dest, None)) is not None
+    ]
+
+
+# argparse dest -> EvalRunConfig key. Flags are shorthands; anything else is a positional override.
+EVAL_FLAGS = {
+    "model": "model.path",
+    "dtype": "model.dtype",
+    "data": "data.path",
+    "problem_key": "data.problem_key",
+    "answer_key": "data.answer_key",
+    "split": "data.split",
+    "instruction": "data.instruction",
+    "enable_thinking": "data.student_thinking",
+    "max_prompt_len": "data.max_prompt_len",
+    "limit": "data.limit",
+    "engine": "rollout.engine",
+    "temperature": "rollout.temperature",
+    "top_p": "rollout.top_p",
+    "max_new_tokens": "rollout.max_new_tokens",
+    "batch_size": "rollout.batch_size",
+    "k": "k",
+    "grader": "grader",
+    "seed": "seed",
+    "device": "device",
+    "out": "out",
+}
+
+
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Accuracy of one or more models on a dataset with answers. Config from YAML (--config) and/or "
+        "section.key=value overrides, as for `opsd train`; the flags are shorthands for those keys, e.g. "
+        "`opsd eval --model base trained --data math500.jsonl --k 4` = "
+        "`opsd eval model.path=[base,trained] data.path=math500.jsonl k=4`."
+    )
+    p.add_argument("--config", type=Path, help="YAML with the keys of opsd.eval.EvalRunConfig")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. rollout.temperature=0"
+    )
     p.add_argument(
         "--model",
         "-m",
         action="extend",
         nargs="+",
-        required=True,
-        help="model dir or fetched short name; repeat or list several for a side-by-side table",
+        help="model.path: model dir or fetched short name; repeat or list several for a side-by-side table",
     )
-    p.add_argument("--data", required=True, help="JSONL/JSON/Parquet/CSV file or save_to_disk dir")
-    p.add_argument("--k", type=int, default=1, help="samples per problem (Avg@k, pass@k)")
-    p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--max-new-tokens", type=int, default=1024)
-    p.add_argument(
-        "--max-prompt-len", type=int, default=None, help="cut longer prompts (counted in the summary)"
-    )
+    p.add_argument("--data", help="data.path: JSONL/JSON/Parquet/CSV file or save_to_disk dir")
+    p.add_argument("--k", type=int, help="k: samples per problem (Avg@k, pass@k); default 1")
+    p.add_argument("--grader", help="grader: boxed (default; math-verify on the last \\boxed{}) or lenient")
+    p.add_argument("--temperature", type=float, help="rollout.temperature (default 0.6; 0 = greedy)")
+    p.add_argument("--top-p", type=float, help="rollout.top_p (default 0.95)")
+    p.add_argument("--max-new-tokens", type=int, help="rollout.max_new_tokens (default 1024)")
+    p.add_argument("--max-prompt-len", type=int, help="data.max_prompt_len: cut longer prompts (counted)")
     p.add_argument(
         "--thinking",
         dest="enable_thinking",
         action="store_true",
         default=None,
-        help="enable_thinking=True in the chat template",
+        help="data.student_thinking=true: enable_thinking in the chat template",
     )
     p.add_argument("--no-thinking", dest="enable_thinking", action="store_false")
-    p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
-    p.add_argument("--answer-key", default="answer", help="gold answer field (GSM8K '#### N' understood)")
-    p.add_argument("--problem-key", default="problem", help="problem field (GSM8K: question)")
-    p.add_argument("--split", default="test", help="split for dataset directories / hub names")
-    p.add_argument(
-        "--instruction", default=DEFAULT_INSTRUCTION, help="appended to each problem, as in training"
-    )
-    p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per HF generate call")
-    p.add_argument("--device", default=None, help="default: cuda if available else cpu")
-    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--out", type=Path, default=None, help="output dir (default: runs/eval-<data>-<time>)")
+    p.add_argument("--engine", help="rollout.engine: hf (default) or vllm")
+    p.add_argument("--answer-key", help="data.answer_key: gold answer field (GSM8K '#### N' understood)")
+    p.add_argument("--problem-key", help="data.problem_key: problem field (GSM8K: question)")
+    p.add_argument("--split", help="data.split for dataset directories / hub names (default test)")
+    p.add_argument("--instruction", help="data.instruction: appended to each problem, as in training")
+    p.add_argument("--limit", type=int, help="data.limit: evaluate the first N problems only")
+    p.add_argument("--seed", type=int, help="seed (default 0)")
+    p.add_argument("--batch-size", type=int, help="rollout.batch_size: sequences per HF generate call")
+    p.add_argument("--device", help="device: auto (default: cuda if available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", help="model.dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--out", type=Path, help="out: output dir (default: runs/eval-<data>-<time>)")
+
+
+def _split_overrides(values: list[str] | None) -> tuple[list[str] | None, list[str]]:
+    """``--model a b k=4``: argparse gives every word to --model; hand the key=value ones back."""
+    if values is None:
+        return None, []
+    kept = [v for v in values if not _KEY_LIKE.match(v)]
+    return kept or None, [v for v in values if _KEY_LIKE.match(v)]
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    out = args.out or Path("runs") / f"eval-{Path(args.data).stem}-{datetime.now():%Y%m%d-%H%M%S}"
-    results = evaluate(
-        args.model,
-        args.data,
-        k=args.k,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        enable_thinking=args.enable_thinking,
-        engine=args.engine,
-        answer_key=args.answer_key,
-        problem_key=args.problem_key,
-        split=args.split,
-        instruction=args.instruction,
-        max_prompt_len=args.max_prompt_len,
-        limit=args.limit,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        device=args.device,
-        dtype=args.dtype,
-        out_dir=out,
-        progress=True,
+    from opsd.config import load_config
+
+    args.model, stray = _split_overrides(args.model)
+    overrides = [*flag_overrides(args, EVAL_FLAGS), *stray, *args.overrides]
+    cfg = load_config(args.config, overrides, schema=EvalRunConfig)
+    out = (
+        Path(cfg.out)
+        if cfg.out
+        else Path("runs") / f"eval-{Path(cfg.data.path).stem}-{datetime.now():%Y%m%d-%H%M%S}"
     )
+    results = evaluate_config(cfg, out, progress=True)
     print(format_table(results))
     print(f"wrote {out}/summary.json and per-item JSONL")
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy
@@ -31,6 +32,11 @@ class Grade:
     correct: bool
     extracted: str | None  # the last \boxed{} content of the response; None when there is none
     error: str | None  # why grading could not complete (counted as incorrect); None when it did
+
+
+# A grader maps (response text, gold answer) to a Grade. ``grade`` below (math-verify on the last
+# \boxed{}) is the default of `opsd eval`; a task with its own answer format (the demo) passes its own.
+Grader = Callable[[str, str], Grade]
 
 
 def extract_boxed(text: str) -> str | None:
@@ -155,6 +161,29 @@ def grade(response: str, gold: str, timeout_s: float = 5) -> Grade:
             except Exception as e:  # noqa: BLE001
                 error = error or f"verify failed: {type(e).__name__}: {str(e)[:200]}"
     return Grade(correct=False, extracted=extracted, error=error)
+
+
+def grade_lenient(response: str, gold: str) -> Grade:
+    """math-verify's own extraction on the response's tail (\\boxed{}, "final answer is", the last
+    expression) instead of the last \\boxed{} only.
+
+    For models that rarely box their answer: reported beside the strict :func:`grade`, it shows what a
+    model gets right without following the output format. Never raises, like :func:`grade`.
+    """
+    try:
+        pred = parse(response[-4 * MAX_ANSWER_CHARS :])
+        if not pred:
+            return Grade(correct=False, extracted=None, error=None)
+        correct = bool(verify(parse("\\boxed{" + normalize_gold(gold) + "}"), pred))
+        return Grade(correct=correct, extracted=str(pred[-1])[:200], error=None)
+    except TimeoutException:
+        return Grade(False, None, "math-verify timed out")
+    except Exception as e:  # noqa: BLE001 - any grader failure is an incorrect, recorded verdict
+        return Grade(False, None, f"lenient grading failed: {type(e).__name__}: {str(e)[:200]}")
+
+
+# The graders `opsd eval` can be told to use by name (its `grader` key).
+GRADERS: dict[str, Grader] = {"boxed": grade, "lenient": grade_lenient}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

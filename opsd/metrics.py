@@ -1,4 +1,8 @@
-"""Metric sinks: metrics.jsonl always; TensorBoard and Weights & Biases only when asked for."""
+"""The step's metrics record and its sinks: metrics.jsonl always; TensorBoard and W&B when asked for.
+
+Metric names are constants here; ``opsd report`` imports them, so a metric the trainer writes
+cannot silently go missing from the plots.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,65 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+# Phases of a step, in order; each is timed into "time_<phase>" (seconds).
+PHASES = ("rollout", "teacher", "student", "loss", "optim")
+TIME_KEYS = tuple(f"time_{p}" for p in PHASES)
+# Loss statistics (opsd.loss.LossStats.means()).
+LOSS_STAT_KEYS = ("divergence", "clip_frac", "entropy_student", "entropy_teacher", "agreement")
+LENGTH_KEYS = ("resp_len_mean", "resp_len_max", "truncated_frac")
+# Every key of a training step's record, in the order it is written.
+STEP_KEYS = (
+    "step", "loss", *LOSS_STAT_KEYS, "grad_norm", "lr", *LENGTH_KEYS, "tokens", "tokens_per_s",
+    "real_token_frac_teacher", "real_token_frac_student", "skipped_nonfinite",
+    "prompt_truncated_student", "prompt_truncated_teacher", "epoch", *TIME_KEYS, "time_step", "peak_mem_gb",
+)
+
+
+def step_record(
+    *,
+    step: int,
+    loss: float,
+    loss_stats: dict[str, float],
+    grad_norm: float,
+    lr: float,
+    response_lens: list[int],
+    truncated: int,
+    tokens: int,
+    real_tokens: dict[str, int],
+    padded_tokens: dict[str, int],
+    skipped: bool,
+    prompt_truncated: dict[str, int],
+    epoch: int,
+    times: dict[str, float],
+    elapsed: float,
+    peak_mem_gb: float,
+) -> dict:
+    """One line of metrics.jsonl. ``response_lens`` and ``truncated`` cover every rank's responses."""
+    n = max(1, len(response_lens))
+    rec = {
+        "step": step,
+        "loss": float(loss),
+        **{k: float(loss_stats[k]) for k in LOSS_STAT_KEYS},
+        "grad_norm": float(grad_norm),
+        "lr": float(lr),
+        "resp_len_mean": sum(response_lens) / n,
+        "resp_len_max": max(response_lens, default=0),
+        "truncated_frac": truncated / n,
+        "tokens": int(tokens),
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "real_token_frac_teacher": real_tokens["teacher"] / max(1, padded_tokens["teacher"]),
+        "real_token_frac_student": real_tokens["student"] / max(1, padded_tokens["student"]),
+        "skipped_nonfinite": int(skipped),
+        "prompt_truncated_student": int(prompt_truncated["student"]),
+        "prompt_truncated_teacher": int(prompt_truncated["teacher"]),
+        "epoch": int(epoch),
+        **{f"time_{p}": float(times.get(p, 0.0)) for p in PHASES},
+        "time_step": float(elapsed),
+        "peak_mem_gb": float(peak_mem_gb),
+    }
+    assert tuple(rec) == STEP_KEYS
+    return rec
 
 
 class StepTimer:
@@ -38,10 +101,33 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _truncate_after(path: Path, step: int) -> None:
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill: drop it
+            continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= step:
+            keep.append(line)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(x + "\n" for x in keep), encoding="utf-8")
+    tmp.replace(path)
+
+
 class MetricsWriter:
+    """Appends one JSON line per step to ``metrics.jsonl``.
+
+    ``after_step``: the step a resumed run continues from. Lines for later steps (written by the
+    interrupted run after its last checkpoint) are dropped first, so the file holds exactly one
+    line per step across resumes and readers need not de-duplicate.
+    """
+
     def __init__(self, run_dir: Path, *, tensorboard: bool = False, wandb: bool = False,
-                 wandb_project: str = "opsd", config: dict | None = None) -> None:
+                 wandb_project: str = "opsd", config: dict | None = None, after_step: int | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
+        if after_step is not None and self.path.is_file():
+            _truncate_after(self.path, after_step)
         self._tb = self._wandb = None
         if tensorboard:
             try:

@@ -2,6 +2,7 @@
 
 Works on a run that is still being written (a partial last line is skipped and counted) and on a
 resumed run (a step logged twice keeps its last record, which is what the resumed run computed).
+`plot_panels` draws every opsd plot, the demo's included.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no global backend/state, renders with Agg
 
+from opsd.errors import UserError
+from opsd.metrics import TIME_KEYS
+
 EVAL_PREFIX = "eval/"
-STEP_TIME_KEYS = ("time_rollout", "time_teacher", "time_student", "time_optim")
 
 # (file stem, title, panels); a panel is a list of keys sharing one y axis. A plot is drawn when any
-# of its keys has data; "stack:" panels are drawn as a stacked area (the step-time breakdown).
+# of its keys has data; "stack:" panels are drawn as a stacked area (the step-time breakdown). Keys
+# are names from opsd.metrics.STEP_KEYS (tests/test_report.py checks it), and the step-time stack is
+# opsd.metrics.TIME_KEYS, so a phase the trainer times is a phase this plot shows.
 PLOTS: list[tuple[str, str, list[list[str]]]] = [
     ("loss", "Loss and mean divergence", [["loss"], ["divergence"]]),
     ("clip_frac", "Clip fraction", [["clip_frac"]]),
@@ -32,7 +37,7 @@ PLOTS: list[tuple[str, str, list[list[str]]]] = [
     (
         "throughput",
         "Throughput and step-time breakdown",
-        [["tokens_per_s"], ["stack:" + k for k in STEP_TIME_KEYS]],
+        [["tokens_per_s"], ["stack:" + k for k in TIME_KEYS]],
     ),
     ("optim", "Learning rate, grad norm and memory", [["lr"], ["grad_norm"], ["peak_mem_gb"]]),
 ]
@@ -89,10 +94,11 @@ def load_run_metrics(run_dir: Path) -> RunMetrics:
     """Read RUN_DIR/metrics.jsonl and RUN_DIR/eval.jsonl (either may be absent, not both)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+        what = "does not exist" if not run_dir.exists() else "is not a directory"
+        raise UserError(f"run directory {run_dir} {what}")
     metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
     if not metrics_path.exists() and not eval_path.exists():
-        raise FileNotFoundError(f"no metrics.jsonl or eval.jsonl in {run_dir}; is it a run directory?")
+        raise UserError(f"no metrics.jsonl or eval.jsonl in {run_dir}; is it a run directory?")
     metrics = RunMetrics()
     if metrics_path.exists():
         _read_jsonl(metrics_path, metrics, force_eval=False)
@@ -103,36 +109,67 @@ def load_run_metrics(run_dir: Path) -> RunMetrics:
     return metrics
 
 
-def _series(table: dict[int, dict[str, float]], key: str) -> tuple[list[int], list[float]]:
+@dataclass
+class Panel:
+    """One axis of a figure: named curves, optional constant levels (drawn dashed), labels."""
+
+    series: dict[str, tuple[list[float], list[float]]]  # label -> (x, y)
+    ylabel: str = ""
+    xlabel: str = "step"
+    hlines: dict[str, float] = field(default_factory=dict)  # label -> y
+    stacked: bool = False  # the series as a stacked area (they must share x)
+    ylim: tuple[float, float] | None = None
+
+
+def plot_panels(path: Path, title: str, panels: list[Panel], *, sharex: bool = True) -> Path:
+    """Draw ``panels`` one above the other into the PNG ``path``; what every opsd plot is made with."""
+    fig = Figure(figsize=(8, 2.6 * len(panels) + 0.6), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=sharex, squeeze=False)[:, 0]
+    for ax, panel in zip(axes, panels, strict=True):
+        if panel.stacked:
+            xs = next(iter(panel.series.values()))[0]
+            ax.stackplot(xs, [y for _, y in panel.series.values()], labels=list(panel.series), alpha=0.8)
+        else:
+            for label, (xs, ys) in panel.series.items():
+                ax.plot(xs, ys, label=label, marker="o" if len(xs) < 30 else None, markersize=3)
+        for label, y in panel.hlines.items():
+            ax.axhline(y, ls="--", color="tab:green", label=label)
+        ax.set_ylabel(panel.ylabel)
+        if panel.ylim is not None:
+            ax.set_ylim(*panel.ylim)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+        if not sharex:
+            ax.set_xlabel(panel.xlabel)
+    if sharex:
+        axes[-1].set_xlabel(panels[-1].xlabel)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+    return Path(path)
+
+
+def series(table: dict[int, dict[str, float]], key: str) -> tuple[list[int], list[float]]:
+    """The (steps, values) of one metric in a table from :func:`load_run_metrics`."""
     steps = [s for s, rec in table.items() if key in rec]
     return steps, [table[s][key] for s in steps]
 
 
 def _plot(path: Path, title: str, table: dict[int, dict[str, float]], panels: list[list[str]]) -> bool:
-    panels = [p for p in panels if any(_series(table, k.removeprefix("stack:"))[0] for k in p)]
-    if not panels:
-        return False
-    fig = Figure(figsize=(8, 2.6 * len(panels) + 0.6), layout="constrained")
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, panel in zip(axes, panels, strict=True):
-        if all(k.startswith("stack:") for k in panel):
-            keys = [k.removeprefix("stack:") for k in panel]
-            keys = [k for k in keys if _series(table, k)[0]]
-            steps = [s for s, rec in table.items() if any(k in rec for k in keys)]
-            ys = [[table[s].get(k, 0.0) for s in steps] for k in keys]
-            ax.stackplot(steps, ys, labels=keys, alpha=0.8)
-            ax.set_ylabel("seconds / step")
+    drawn: list[Panel] = []
+    for keys in panels:
+        stacked = all(k.startswith("stack:") for k in keys)
+        names = [k.removeprefix("stack:") for k in keys]
+        if stacked:  # one shared x: every step that has any of the keys, a missing key counting 0
+            steps = [s for s, rec in table.items() if any(k in rec for k in names)]
+            found = {k: (steps, [table[s].get(k, 0.0) for s in steps]) for k in names if series(table, k)[0]}
         else:
-            for k in panel:
-                steps, ys = _series(table, k)
-                if steps:
-                    ax.plot(steps, ys, label=k, marker="o" if len(steps) < 30 else None, markersize=3)
-            ax.set_ylabel(panel[0] if len(panel) == 1 else "")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize=8)
-    axes[-1].set_xlabel("step")
-    fig.suptitle(title)
-    fig.savefig(path, dpi=100)
+            found = {k: series(table, k) for k in names if series(table, k)[0]}
+        if found:
+            ylabel = "seconds / step" if stacked else (names[0] if len(names) == 1 else "")
+            drawn.append(Panel(found, ylabel=ylabel, stacked=stacked))
+    if not drawn:
+        return False
+    plot_panels(path, title, drawn)
     return True
 
 
@@ -151,7 +188,7 @@ def _final_table(table: dict[int, dict[str, float]], last_n: int = 10) -> list[s
     keys = list(dict.fromkeys(k for rec in table.values() for k in rec))
     rows = [f"| metric | final | step | mean of last {last_n} |", "|---|---|---|---|"]
     for k in keys:
-        steps, ys = _series(table, k)
+        steps, ys = series(table, k)
         tail = ys[-last_n:]
         rows.append(f"| {k} | {_fmt(ys[-1])} | {steps[-1]} | {_fmt(sum(tail) / len(tail))} |")
     return rows

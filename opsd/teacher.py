@@ -18,65 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-# Heads that are not a plain ``hidden @ W.T``: the fused loss would silently compute the wrong logits.
-_NONLINEAR_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
-
-
-def base_model(model: nn.Module) -> nn.Module:
-    """The transformers model under a peft wrapper (LoRA layers stay injected in it)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def check_plain_head(model: nn.Module) -> None:
-    """Refuse models whose logits are not ``hidden @ lm_head.weight.T``."""
-    m = base_model(model)
-    cfg = m.config
-    for attr in _NONLINEAR_HEAD_ATTRS:
-        val = getattr(cfg, attr, None)
-        if val not in (None, 0, 0.0, 1, 1.0, False):
-            raise ValueError(
-                f"{cfg.model_type}: config.{attr}={val} means the logits are not a plain linear head; "
-                "opsd's fused-linear loss computes hidden @ lm_head.weight.T and does not support it"
-            )
-    head = m.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise ValueError(
-            f"{cfg.model_type}: the lm_head is {type(head).__name__}"
-            f"{' with a bias' if isinstance(head, nn.Linear) else ''}, not a bias-free nn.Linear; "
-            "opsd's fused-linear loss needs a plain linear head (do not put LoRA on lm_head)"
-        )
-
-
-def head_weight(model: nn.Module) -> Tensor:
-    return base_model(model).get_output_embeddings().weight
-
-
-def response_positions(lengths: list[int], response_lens: list[int], width: int) -> Tensor:
-    """Flat indices into ``[B * width]`` of the hidden states that predict each response token.
-
-    Sequences are right-padded; the response is the last ``r`` tokens of a length-``L`` row, and
-    the hidden state at position ``p`` predicts token ``p + 1``, so rows use ``L-r-1 .. L-2``.
-    """
-    idx = [b * width + p for b, (n, r) in enumerate(zip(lengths, response_lens)) for p in range(n - r - 1, n - 1)]
-    return torch.tensor(idx, dtype=torch.long)
-
-
-def pad_right(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Right padding, one sample per row: attention never crosses samples."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids.to(device), mask.to(device)
-
-
-def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
-    """Final (post-norm) hidden states at ``positions``: ``[R, H]``; the model never makes logits."""
-    out = base_model(model).get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    hidden = out.last_hidden_state
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions.to(hidden.device))
+from opsd.models import base_model, check_plain_head, final_hidden, head_weight
 
 
 class Teacher:

@@ -1,16 +1,16 @@
 """The OPSD trainer. ``Trainer.step`` is the whole algorithm, top to bottom.
 
-    draw problems -> student rollouts -> teacher sequences -> per micro-batch:
+    draw problems -> student rollouts -> splice responses after both prompts -> per micro-batch:
     teacher hidden states (no grad) -> student hidden states -> chunked fused-linear loss ->
-    backward -> clip -> AdamW step -> LR schedule -> EMA / weight sync
+    backward -> clip -> AdamW step -> LR schedule -> teacher update / weight sync
+
+Everything else (loading, checkpoints, the run directory, metrics) sits behind named functions in
+the modules it imports.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import shutil
-import signal
 import sys
 import time
 import warnings
@@ -21,27 +21,35 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from opsd.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
-from opsd.config import Config, save_config
-from opsd.data import (
-    DataCursor,
-    Sample,
-    load_examples,
-    make_sample,
-    pack_microbatches,
-    raw_splice_teacher_ids,
-    student_prompt_ids,
-    teacher_prompt_ids,
+from opsd.checkpoint import (
+    clean_partial,
+    latest_checkpoint,
+    load_model_weights,
+    load_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
 )
+from opsd.config import Config
+from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
+from opsd.errors import TrainingError, UserError
 from opsd.loss import LossStats, fused_linear_distill
-from opsd.metrics import MetricsWriter, StepTimer, peak_memory_gb
-from opsd.models import load_model, load_tokenizer
+from opsd.metrics import MetricsWriter, StepTimer, peak_memory_gb, step_record
+from opsd.models import (
+    apply_lora,
+    check_plain_head,
+    enable_gradient_checkpointing,
+    final_hidden,
+    head_weight,
+    load_model,
+    load_tokenizer,
+)
+from opsd.optim import make_optimizer
 from opsd.rollout import SamplingParams, make_engine
-from opsd.teacher import Teacher, check_plain_head, final_hidden, head_weight, pad_right, response_positions
+from opsd.rundir import GracefulStop, prepare_run_dir, record_config
+from opsd.teacher import Teacher
 
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. too many non-finite steps); the last good checkpoint is intact."""
+__all__ = ["Trainer", "TrainingError"]
 
 
 def _rank_world() -> tuple[int, int]:
@@ -57,13 +65,14 @@ def _all_reduce_sum(x: Tensor) -> Tensor:
     return x
 
 
-def lr_lambda(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when there is one; asking for CUDA without one is a user error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        build = "a CPU-only torch build" if torch.version.cuda is None else "no visible CUDA device"
+        raise UserError(f"device={device}: this machine has {build}; use device=cpu or device=auto")
+    return torch.device(device)
 
 
 class Trainer:
@@ -78,301 +87,171 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world = _rank_world()
         self.run_dir = Path(cfg.logging.run_dir)
-        self._prepare_run_dir(resume, overwrite)
+        self.device = resolve_device(cfg.device)
+        if self.rank == 0:
+            prepare_run_dir(self.run_dir, resume=resume, overwrite=overwrite,
+                            has_checkpoint=latest_checkpoint(self.run_dir) is not None)
+            clean_partial(self.run_dir)
+        if self.world > 1:
+            dist.barrier()
         torch.manual_seed(cfg.seed)
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
-        )
 
-        # Data: rows, then a resumable cursor sharded by rank.
+        # Data: rows, a resumable cursor sharded by rank, prompts tokenized once per example.
+        d = cfg.data
         report = load_examples(
-            cfg.data.path, problem_key=cfg.data.problem_key,
-            solution_key=cfg.data.solution_key if cfg.teacher.privileged else None,
-            answer_key=cfg.data.answer_key, split=cfg.data.split, skip_bad_rows=cfg.data.skip_bad_rows,
-            drop_empty_solution=cfg.data.drop_empty_solution,
+            d.path, problem_key=d.problem_key, solution_key=d.solution_key if cfg.teacher.privileged else None,
+            answer_key=d.answer_key, split=d.split, skip_bad_rows=d.skip_bad_rows,
+            drop_empty_solution=d.drop_empty_solution,
         )
         self.examples = report.examples
         self.data_report = {"rows": len(report.examples), "skipped_bad": report.skipped_bad,
                             "empty_solution": report.empty_solution, "dropped_empty": report.dropped_empty}
         self.cursor = DataCursor(len(self.examples), seed=cfg.seed, rank=self.rank, world_size=self.world,
-                                 shuffle=cfg.data.shuffle)
-        self._prompt_cache: dict[int, tuple[list[int], list[int]]] = {}
-        self.truncated = {"student": 0, "teacher": 0}
+                                 shuffle=d.shuffle)
+        self.eval_examples = self._load_eval_examples() if cfg.eval.path else []
 
         # Model: the student (LoRA or full), its tokenizer, and the teacher.
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.model = self._build_student()
+        m = cfg.model
+        self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+        self.prompts = PromptBuilder.from_config(self.tokenizer, d, privileged=cfg.teacher.privileged)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.model = load_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+                                device=str(self.device), trust_remote_code=m.trust_remote_code)
+        if m.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
+        if m.lora.enabled:
+            self.model = apply_lora(self.model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout,
+                                    target_modules=m.lora.target_modules,
+                                    gradient_checkpointing=m.gradient_checkpointing)
+        self.model.train()
         check_plain_head(self.model)
-        external = None
-        if cfg.teacher.mode == "external":
-            external = self._load_external_teacher()
+        self.head = head_weight(self.model)
         self.teacher = Teacher(
-            cfg.teacher.mode, self.model, lora=cfg.model.lora.enabled, ema_decay=cfg.teacher.ema_decay,
-            external=external, frozen_copy=cfg.teacher.frozen_copy,
+            cfg.teacher.mode, self.model, lora=m.lora.enabled, ema_decay=cfg.teacher.ema_decay,
+            external=self._load_external_teacher() if cfg.teacher.mode == "external" else None,
+            frozen_copy=cfg.teacher.frozen_copy,
         )
+        self.spec = cfg.loss.to_spec(cfg.rollout.temperature)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay,
-        )
         o = cfg.optim
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: lr_lambda(s, warmup=o.warmup_steps, total=o.max_steps, schedule=o.scheduler,
-                                min_ratio=o.min_lr_ratio),
+        self.optimizer, self.scheduler = make_optimizer(
+            self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, warmup=o.warmup_steps,
+            total=o.max_steps, schedule=o.scheduler, min_ratio=o.min_lr_ratio,
         )
-        r = cfg.rollout
-        engine_kw = {"batch_size": r.batch_size}
-        if r.engine == "vllm":
-            engine_kw = {"gpu_memory_utilization": r.gpu_memory_utilization,
-                         "tensor_parallel_size": r.tensor_parallel_size, "seed": cfg.seed}
-        self.engine = make_engine(r.engine, self.model, self.tokenizer, **engine_kw)
+        self.engine = make_engine(cfg.rollout, self.model, self.tokenizer, seed=cfg.seed,
+                                  max_prompt_len=d.max_prompt_len)
         self.step_num = 0
         self.bad_steps = 0
-        self._stop_signal: str | None = None
+        self.stop = GracefulStop()
 
-        if resume:
+        if resume and latest_checkpoint(self.run_dir) is not None:
             self._resume()
-        elif self.rank == 0:
-            save_config(cfg, self.run_dir / "config.yaml")
         if self.rank == 0:
-            (self.run_dir / "data_report.json").write_text(json.dumps({"source": cfg.data.path, **self.data_report}))
-            d = self.data_report
-            print(f"data: {d['rows']} rows from {cfg.data.path} (skipped {d['skipped_bad']} bad, "
-                  f"{d['empty_solution']} with empty privileged info, dropped {d['dropped_empty']})", file=sys.stderr)
+            record_config(self.run_dir, cfg.model_dump(mode="json"), resume=resume)
+            (self.run_dir / "data_report.json").write_text(json.dumps({"source": d.path, **self.data_report}))
+            r = self.data_report
+            print(f"data: {r['rows']} rows from {d.path} (skipped {r['skipped_bad']} bad, "
+                  f"{r['empty_solution']} with empty privileged info, dropped {r['dropped_empty']})", file=sys.stderr)
         self.metrics = MetricsWriter(
             self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project, config=cfg.model_dump(mode="json"),
+            wandb_project=cfg.logging.wandb_project, config=cfg.model_dump(mode="json"), after_step=self.step_num,
         ) if self.rank == 0 else None
-
-    # ------------------------------------------------------------------------------------------
-    # Setup helpers
-
-    def _prepare_run_dir(self, resume: bool, overwrite: bool) -> None:
-        if resume and overwrite:
-            raise ValueError("choose one of resume and overwrite")
-        if self.rank != 0:  # rank 0 checks and prepares the directory; the others wait for it
-            dist.barrier()
-            return
-        exists = self.run_dir.exists() and any(self.run_dir.iterdir())
-        if resume and latest_checkpoint(self.run_dir) is None:
-            raise FileNotFoundError(f"--resume: no checkpoint found in {self.run_dir / 'checkpoints'}")
-        if exists and not resume:
-            if not overwrite:
-                raise FileExistsError(
-                    f"run directory {self.run_dir} already exists: pass --resume to continue it "
-                    "or --overwrite to start over (it will be deleted)"
-                )
-            shutil.rmtree(self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.world > 1:
-            dist.barrier()
-
-    def _build_student(self) -> nn.Module:
-        m = self.cfg.model
-        model = load_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation, device=str(self.device))
-        if m.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if not m.lora.enabled:
-            return model.train()
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=m.lora.r, lora_alpha=m.lora.alpha, lora_dropout=m.lora.dropout,
-            target_modules=m.lora.target_modules, task_type="CAUSAL_LM",
-        )
-        if m.gradient_checkpointing:
-            model.enable_input_require_grads()
-        return get_peft_model(model, lora).train()
-
-    def _load_external_teacher(self) -> nn.Module:
-        path = self.cfg.teacher.path
-        tok = load_tokenizer(path)
-        if tok.get_vocab() != self.tokenizer.get_vocab():
-            raise ValueError(
-                f"teacher.path={path}: its tokenizer differs from the student's ({self.cfg.model.path}); "
-                "an external teacher must share the student's vocabulary token for token"
-            )
-        return load_model(path, dtype=self.cfg.model.dtype, attn_implementation=self.cfg.model.attn_implementation,
-                          device=str(self.device))
-
-    def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.run_dir)
-        state = load_state(ckpt)
-        self._load_model_weights(ckpt / "model")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.teacher.load_state_dict(state["teacher"])
-        self.cursor.load_state_dict(state["cursor"])
-        self.truncated = state["truncated"]
-        self.step_num = state["step"]
-        self.bad_steps = state["bad_steps"]
-        set_rng_state(state["rng"])
-        self.engine.sync_weights(self.model)
-        print(f"resumed from {ckpt} at step {self.step_num}", file=sys.stderr)
-
-    def _load_model_weights(self, model_dir: Path) -> None:
-        from safetensors.torch import load_file
-
-        if self.cfg.model.lora.enabled:
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(self.model, load_file(model_dir / "adapter_model.safetensors"))
-        else:
-            fresh = type(self.model).from_pretrained(model_dir, torch_dtype=self.model.dtype)
-            self.model.load_state_dict(fresh.state_dict())
-
-    def _prompts(self, i: int) -> tuple[list[int], list[int]]:
-        """Student and teacher prompt ids of example ``i``, tokenized once."""
-        if i not in self._prompt_cache:
-            d, ex = self.cfg.data, self.examples[i]
-            s_ids, s_cut = student_prompt_ids(
-                self.tokenizer, ex.problem, instruction=d.instruction, enable_thinking=d.student_thinking,
-                max_len=d.max_prompt_len,
-            )
-            if not self.cfg.teacher.privileged:
-                t_ids, t_cut = s_ids, False
-            elif d.raw_splice:
-                sol = self.tokenizer(ex.solution, add_special_tokens=False)["input_ids"]
-                t_ids = raw_splice_teacher_ids(s_ids, sol)[: d.max_teacher_prompt_len]
-                t_cut = len(s_ids) + len(sol) > d.max_teacher_prompt_len
-            else:
-                t_ids, t_cut = teacher_prompt_ids(
-                    self.tokenizer, ex.problem, ex.solution, template=d.teacher_template,
-                    instruction=d.instruction, enable_thinking=d.teacher_thinking, max_len=d.max_teacher_prompt_len,
-                )
-            self.truncated["student"] += int(s_cut)
-            self.truncated["teacher"] += int(t_cut)
-            self._prompt_cache[i] = (s_ids, t_ids)
-        return self._prompt_cache[i]
 
     # ------------------------------------------------------------------------------------------
     # The step
 
     def step(self) -> dict:
         """One optimizer step of OPSD. Returns the step's metrics."""
-        cfg, dev = self.cfg, self.device
-        timer = StepTimer(sync=dev.type == "cuda")
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        t_start = time.perf_counter()
+        cfg, timer, t_start = self.cfg, StepTimer(sync=self.device.type == "cuda"), time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
-        # 1. Draw problems (this rank's share of the global batch).
+        # 1-2. Draw this rank's problems; roll out n responses to each with the current weights.
         ex_idx = self.cursor.next_indices(cfg.rollout.prompts_per_step)
-        prompts = [self._prompts(i) for i in ex_idx]
-
-        # 2. Roll out n responses per problem with the current weights. The seed depends on the
-        #    step only, so a resumed run samples exactly what an uninterrupted one would.
-        r = cfg.rollout
-        params = SamplingParams(
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-            stop_strings=list(r.stop_strings), seed=cfg.seed * 1_000_003 + self.step_num * 7919 + self.rank,
-        )
+        prompts = [self.prompts(i, self.examples[i]) for i in ex_idx]
         with timer("rollout"):
-            self.engine.wake()
-            completions = self.engine.generate([s for s, _ in prompts], r.n, params)
-            self.engine.sleep()
+            completions = self.rollout([student for student, _ in prompts])
 
-        # 3. Splice each response, token for token, after both prompts.
-        samples: list[Sample] = [
-            make_sample(prompts[c.prompt_index][0], prompts[c.prompt_index][1], c.token_ids,
-                        ex_idx[c.prompt_index], c.finish_reason)
-            for c in completions if c.token_ids
-        ]
-        counts = _all_reduce_sum(torch.tensor(
-            [sum(s.response_len for s in samples), len(samples)], dtype=torch.float64))
-        global_tokens, global_seqs = counts.tolist()
-        groups = pack_microbatches(
-            [max(len(s.student_ids), len(s.teacher_ids)) for s in samples], cfg.optim.max_tokens_per_microbatch
-        )
+        # 3. Splice each response, token for token, after the student prompt and the teacher prompt.
+        samples = [make_sample(*prompts[c.prompt_index], c.token_ids, ex_idx[c.prompt_index], c.finish_reason)
+                   for c in completions if c.token_ids]
+        tokens, seqs = _all_reduce_sum(torch.tensor(
+            [sum(s.response_len for s in samples), len(samples)], dtype=torch.float64)).tolist()
+        batches = make_microbatches(samples, max_tokens=cfg.optim.max_tokens_per_microbatch, pad_id=self.pad_id,
+                                    reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs,
+                                    device=self.device)
 
-        # 4-7. Per micro-batch: teacher hidden states, student hidden states, fused loss, backward.
-        lc = cfg.loss
-        loss_total = torch.zeros((), dtype=torch.float64)
-        stats = LossStats()
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        student_head = head_weight(self.model)
-        for group in groups:
-            mb = [samples[i] for i in group]
-            resp = [s.response_len for s in mb]
-            weights = torch.cat([
-                torch.full((n,), 1.0 / (global_tokens if lc.reduction == "token" else n * global_seqs))
-                for n in resp
-            ]).to(dev)
-            targets = torch.tensor([t for s in mb for t in s.student_ids[-s.response_len:]], device=dev)
-
+        # 4-7. Per micro-batch: the teacher scores the response, the student reads it, fused loss, backward.
+        loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()
+        for mb in batches:
             with timer("teacher"):
-                t_ids, t_mask = pad_right([s.teacher_ids for s in mb], pad, dev)
-                t_pos = response_positions([len(s.teacher_ids) for s in mb], resp, t_ids.shape[1])
-                t_hidden, t_head = self.teacher.score(t_ids, t_mask, t_pos)
-
+                t_hidden, t_head = self.teacher.score(mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
             with timer("student"):
-                s_ids, s_mask = pad_right([s.student_ids for s in mb], pad, dev)
-                s_pos = response_positions([len(s.student_ids) for s in mb], resp, s_ids.shape[1])
-                s_hidden = final_hidden(self.model, s_ids, s_mask, s_pos)
-
+                s_hidden = final_hidden(self.model, mb.student_ids, mb.student_mask, mb.student_pos)
             with timer("loss"):
-                loss, st = fused_linear_distill(
-                    s_hidden, student_head, t_hidden, t_head, weights, targets,
-                    mode=lc.mode, beta=lc.beta, temperature=cfg.loss_temperature, clip_mode=lc.clip_mode,
-                    clip=lc.clip, topk=lc.topk, chunk_size=lc.chunk_size,
-                )
+                loss, st = fused_linear_distill(s_hidden, self.head, t_hidden, t_head, mb.weights, mb.targets,
+                                                self.spec, chunk_size=cfg.loss.chunk_size)
             with timer("student"):
                 loss.backward()
-            loss_total += loss.detach().double().cpu()
+            loss_sum += loss.detach().double().cpu()
             stats.add(st)
-            del t_hidden, s_hidden, loss
 
-        # 8. Sum gradients over data-parallel ranks (weights were normalized by the global token
-        #    count, so the sum is the one-big-batch gradient), clip, step, schedule; skip the
-        #    update if anything is non-finite.
+        # 8. Clip, AdamW, schedule, teacher update, weight sync (all skipped if anything is non-finite).
         with timer("optim"):
-            if self.world > 1:
-                for p in self.params:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                    dist.all_reduce(p.grad)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip or float("inf"))
-            loss_total = _all_reduce_sum(loss_total)
-            finite = bool(torch.isfinite(loss_total)) and bool(torch.isfinite(grad_norm))
-            if finite:
-                self.optimizer.step()
-                self.bad_steps = 0
-            else:
-                self.bad_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
-            if finite:
-                self.teacher.update()
-                self.engine.sync_weights(self.model)
+            loss_sum, grad_norm, finite = self.optimizer_step(loss_sum)
         self.step_num += 1
+        self._last = (completions, ex_idx)
+        return self._record(loss_sum, stats, grad_norm, finite, completions, batches, timer, t_start)
 
+    def rollout(self, prompts: list[list[int]]) -> list:
+        """``rollout.n`` responses per prompt. The seed depends on the step (and rank) only, so a
+        resumed run samples exactly what an uninterrupted one would."""
+        r = self.cfg.rollout
+        params = SamplingParams(
+            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+            stop_strings=list(r.stop_strings), seed=self.cfg.seed * 1_000_003 + self.step_num * 7919 + self.rank,
+        )
+        self.engine.wake()
+        completions = self.engine.generate(prompts, r.n, params)
+        self.engine.sleep()
+        return completions
+
+    def optimizer_step(self, loss_sum: Tensor) -> tuple[Tensor, Tensor, bool]:
+        """Sum gradients over data-parallel ranks (the loss weights were normalized by the global
+        token count, so the sum is the one-big-batch gradient), clip, and step. A non-finite loss or
+        gradient skips the update but still consumes the batch and advances the LR schedule, so a
+        resumed or skipped run stays on the same data order and schedule."""
+        if self.world > 1:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip or float("inf"))
+        loss_sum = _all_reduce_sum(loss_sum)
+        finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        self.bad_steps = 0 if finite else self.bad_steps + 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if finite:
+            self.teacher.update()
+            self.engine.sync_weights(self.model)
+        else:
+            warnings.warn(f"step {self.step_num + 1}: non-finite loss or gradient norm; update skipped", stacklevel=3)
+        return loss_sum, grad_norm, finite
+
+    def _record(self, loss_sum, stats, grad_norm, finite, completions, batches, timer, t_start) -> dict:
         stats = LossStats.from_tensor(_all_reduce_sum(stats.as_tensor()))
-        lens = [len(c.token_ids) for c in completions]
-        elapsed = time.perf_counter() - t_start
-        record = {
-            "step": self.step_num,
-            "loss": float(loss_total),
-            **stats.means(),
-            "grad_norm": float(grad_norm),
-            "lr": self.scheduler.get_last_lr()[0],
-            "resp_len_mean": sum(lens) / max(1, len(lens)),
-            "resp_len_max": max(lens, default=0),
-            "truncated_frac": sum(c.finish_reason == "length" for c in completions) / max(1, len(completions)),
-            "tokens": int(global_tokens),
-            "tokens_per_s": global_tokens / elapsed,
-            "skipped_nonfinite": int(not finite),
-            "prompt_truncated_student": self.truncated["student"],
-            "prompt_truncated_teacher": self.truncated["teacher"],
-            "epoch": self.cursor.epoch,
-            **{f"time_{k}": v for k, v in timer.times.items()},
-            "time_step": elapsed,
-            "peak_mem_gb": peak_memory_gb(dev),
-        }
-        if not finite:
-            warnings.warn(f"step {self.step_num}: non-finite loss or gradient norm; update skipped", stacklevel=2)
-        self._last_completions = (completions, ex_idx)
-        return record
+        return step_record(
+            step=self.step_num, loss=float(loss_sum), loss_stats=stats.means(), grad_norm=float(grad_norm),
+            lr=self.scheduler.get_last_lr()[0], response_lens=[len(c.token_ids) for c in completions],
+            truncated=sum(c.finish_reason == "length" for c in completions), tokens=int(stats.tokens),
+            real_tokens={k: sum(getattr(mb, f"{k}_real_tokens") for mb in batches) for k in ("teacher", "student")},
+            padded_tokens={k: sum(getattr(mb, f"{k}_padded_tokens") for mb in batches) for k in ("teacher", "student")},
+            skipped=not finite, prompt_truncated=self.prompts.truncated, epoch=self.cursor.epoch,
+            times=timer.times, elapsed=time.perf_counter() - t_start, peak_mem_gb=peak_memory_gb(self.device),
+        )
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -381,38 +260,48 @@ class Trainer:
         """Run to ``optim.max_steps`` (or ``until_step``); checkpoint every K steps and at the end."""
         cfg = self.cfg
         end = min(cfg.optim.max_steps, until_step or cfg.optim.max_steps)
-        history = []
-        self._install_signal_handlers()
+        if self.step_num >= cfg.optim.max_steps and self.rank == 0:
+            print(f"{self.run_dir} is complete: it reached optim.max_steps={cfg.optim.max_steps}. To train "
+                  f"further: opsd train --resume {self.run_dir} optim.max_steps=N (N > {self.step_num})",
+                  file=sys.stderr)
+        history: list[dict] = []
         bar = tqdm(total=cfg.optim.max_steps, initial=self.step_num, desc="opsd train", unit="step",
                    disable=not cfg.logging.progress or self.rank != 0, dynamic_ncols=True)
+        self.stop.requested = None
         try:
-            while self.step_num < end:
-                rec = self.step()
-                if cfg.eval.every and self.step_num % cfg.eval.every == 0:
-                    rec.update(self.evaluate())
-                history.append(rec)
-                self._log(rec, bar)
-                if self.bad_steps >= cfg.optim.max_bad_steps:
-                    last = latest_checkpoint(self.run_dir)
-                    raise TrainingError(
-                        f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (limit "
-                        f"optim.max_bad_steps={cfg.optim.max_bad_steps}); stopping. Last good checkpoint: "
-                        f"{last or 'none yet'}. Try a lower optim.lr, loss.clip, or model.dtype=float32."
-                    )
-                ck = cfg.checkpoint.every
-                due = (ck and self.step_num % ck == 0) or self.step_num == end or self._stop_signal
-                if due and self.bad_steps == 0:
-                    self.save()
-                if self._stop_signal:
-                    print(f"\nstopped by {self._stop_signal} after step {self.step_num}; resume with:\n"
-                          f"  opsd train --resume {self.run_dir}", file=sys.stderr)
-                    break
+            with self.stop:
+                while self.step_num < end:
+                    rec = self.step()
+                    if cfg.eval.every and self.step_num % cfg.eval.every == 0:
+                        rec.update(self.evaluate())
+                    history.append(rec)
+                    self._log(rec, bar)
+                    if self.bad_steps >= cfg.optim.max_bad_steps:
+                        raise TrainingError(
+                            f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (limit "
+                            f"optim.max_bad_steps={cfg.optim.max_bad_steps}); stopping. Last good checkpoint: "
+                            f"{latest_checkpoint(self.run_dir) or 'none yet'}. Try a lower optim.lr, loss.clip, "
+                            "or model.dtype=float32."
+                        )
+                    every = cfg.checkpoint.every if cfg.checkpoint.enabled else 0
+                    due = cfg.checkpoint.enabled and (
+                        (every and self.step_num % every == 0) or self.step_num == end or self.stop.requested)
+                    if due and self.bad_steps == 0:
+                        self.save()
+                    if self.stop.requested:
+                        print(f"\nstopped by {self.stop.requested} after step {self.step_num}; resume with:\n"
+                              f"  opsd train --resume {self.run_dir}", file=sys.stderr)
+                        break
         finally:
             bar.close()
-            self._restore_signal_handlers()
             if self.metrics is not None:
                 self.metrics.close()
         return history
+
+    @property
+    def stopped(self) -> bool:
+        """True when the last ``train()`` ended on a Ctrl-C / SIGTERM."""
+        return self.stop.requested is not None
 
     def _log(self, rec: dict, bar) -> None:
         if self.metrics is None:
@@ -426,12 +315,11 @@ class Trainer:
         if any(k.startswith("eval/") for k in rec):
             line += " | " + " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/"))
         tqdm.write(line, file=sys.stderr)
-        every = self.cfg.logging.sample_every
-        if every and rec["step"] % every == 0:
+        if self.cfg.logging.sample_every and rec["step"] % self.cfg.logging.sample_every == 0:
             self._log_samples(rec["step"])
 
     def _log_samples(self, step: int) -> None:
-        completions, ex_idx = self._last_completions
+        completions, ex_idx = self._last
         with (self.run_dir / "samples.jsonl").open("a") as f:
             for i, c in enumerate(completions[: self.cfg.logging.num_samples]):
                 ex = self.examples[ex_idx[c.prompt_index]]
@@ -446,16 +334,31 @@ class Trainer:
         from opsd.eval import evaluate_model
 
         e = self.cfg.eval
-        if not hasattr(self, "_eval_examples"):
-            rep = load_examples(e.path, problem_key=self.cfg.data.problem_key, solution_key=None,
-                        answer_key=e.answer_key, require_answer=True)
-            self._eval_examples = rep.examples[: e.limit] if e.limit else rep.examples
         res = evaluate_model(
-            self.model, self.tokenizer, self._eval_examples, k=e.k, temperature=e.temperature,
+            self.model, self.tokenizer, self.eval_examples, k=e.k, temperature=e.temperature,
             max_new_tokens=e.max_new_tokens, instruction=self.cfg.data.instruction,
             enable_thinking=self.cfg.data.student_thinking, seed=self.cfg.seed, engine=self.engine,
         )
         return res.metrics(prefix="eval/")
+
+    # ------------------------------------------------------------------------------------------
+    # Setup, checkpoints
+
+    def _load_eval_examples(self) -> list:
+        """Validated at startup, like the training data, so a bad eval file fails before any compute."""
+        e = self.cfg.eval
+        rep = load_examples(e.path, problem_key=self.cfg.data.problem_key, solution_key=None,
+                            answer_key=e.answer_key, require_answer=True)
+        return rep.examples[: e.limit] if e.limit else rep.examples
+
+    def _load_external_teacher(self) -> nn.Module:
+        path, m = self.cfg.teacher.path, self.cfg.model
+        if load_tokenizer(path).get_vocab() != self.tokenizer.get_vocab():
+            raise UserError(
+                f"teacher.path={path}: its tokenizer differs from the student's ({m.path}); "
+                "an external teacher must share the student's vocabulary token for token"
+            )
+        return load_model(path, dtype=m.dtype, attn_implementation=m.attn_implementation, device=str(self.device))
 
     def save(self) -> Path | None:
         if self.rank != 0:
@@ -467,7 +370,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "teacher": self.teacher.state_dict(),
             "cursor": self.cursor.state_dict(),
-            "truncated": dict(self.truncated),
+            "truncated": self.prompts.state_dict(),
             "rng": rng_state(),
         }
         return save_checkpoint(
@@ -475,26 +378,16 @@ class Trainer:
             keep_last=self.cfg.checkpoint.keep_last, save_merged=self.cfg.checkpoint.save_merged,
         )
 
-    # ------------------------------------------------------------------------------------------
-    # Ctrl-C / SIGTERM: finish the current step, save, exit cleanly. A second signal aborts.
-
-    def _install_signal_handlers(self) -> None:
-        import threading
-
-        self._old_handlers = {}
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def handler(signum, frame):
-            if self._stop_signal:
-                raise KeyboardInterrupt
-            self._stop_signal = signal.Signals(signum).name
-            print(f"\n{self._stop_signal}: finishing the current step, then saving a checkpoint "
-                  "(signal again to abort without saving)", file=sys.stderr)
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old_handlers[sig] = signal.signal(sig, handler)
-
-    def _restore_signal_handlers(self) -> None:
-        for sig, h in self._old_handlers.items():
-            signal.signal(sig, h)
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir)
+        state = load_state(ckpt)
+        load_model_weights(self.model, ckpt / "model", lora=self.cfg.model.lora.enabled)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.teacher.load_state_dict(state["teacher"])
+        self.cursor.load_state_dict(state["cursor"])
+        self.prompts.load_state_dict(state["truncated"])
+        self.step_num, self.bad_steps = state["step"], state["bad_steps"]
+        set_rng_state(state["rng"])
+        self.engine.sync_weights(self.model)
+        print(f"resumed from {ckpt} at step {self.step_num}", file=sys.stderr)

@@ -11,7 +11,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
-from opsd.models import build_tiny_model, build_tiny_tokenizer, cached_model_path
+from opsd.fetch import cached_model_path
+from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

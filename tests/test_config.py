@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from opsd.config import Config, load_config, save_config
+from opsd.errors import UserError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -19,7 +20,7 @@ def test_yaml_plus_overrides(tmp_path):
                           , "teacher.privileged=false"])
     assert cfg.loss.beta == 0 and cfg.optim.lr == 5e-6 and cfg.rollout.stop_strings == ["</s>"]
     assert cfg.data.solution_key is None
-    assert cfg.loss_temperature == cfg.rollout.temperature  # loss temperature defaults to sampling's
+    assert cfg.loss.to_spec(cfg.rollout.temperature).temperature == cfg.rollout.temperature  # defaults to sampling's
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -60,7 +61,7 @@ def test_bad_configs_name_the_key(overrides, match):
 def test_missing_data_path_and_file_errors(tmp_path):
     with pytest.raises(ValueError, match="data.path is required"):
         load_config(None, [])
-    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+    with pytest.raises(UserError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("loss: [unclosed")

@@ -3,28 +3,36 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opsd import data
 from opsd.data import (
     DEFAULT_INSTRUCTION,
     DEFAULT_TEACHER_TEMPLATE,
     DataCursor,
+    Example,
+    MicroBatch,
+    PromptBuilder,
     Sample,
     check_alignment,
     load_examples,
+    make_microbatches,
     make_sample,
     pack_microbatches,
     raw_splice_teacher_ids,
+    sources,
     student_prompt_ids,
     teacher_prompt_ids,
 )
-from opsd.models import build_tiny_tokenizer
+from opsd.errors import UserError
+from opsd.tiny import build_tiny_tokenizer
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -155,17 +163,40 @@ def test_numeric_answers_become_strings_and_gsm8k_raw(tmp_path: Path) -> None:
     assert report.empty_solution == 0
 
 
-def test_hub_name_offline_fails_fast_and_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data, "_hub_reachable", lambda timeout_s=5.0: False)
+def _one_line(err: BaseException) -> str:
+    msg = str(err)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_hub_name_unreachable_fails_fast_and_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout_s=3.0: False)
 
     def never(*a, **k):
         raise AssertionError("load_dataset must not be called when the hub is unreachable")
 
     monkeypatch.setattr("datasets.load_dataset", never)
-    with pytest.raises(
-        ConnectionError, match=r"'someone/gsm8k:main'.*hub dataset name.*unreachable.*local .*file"
-    ):
-        load_examples("someone/gsm8k:main")
+    for name in ("someone/gsm8k:main", "my_dataset"):
+        with pytest.raises(UserError) as info:
+            load_examples(name)
+        msg = _one_line(info.value)
+        assert msg.startswith(f"{name}: no such local file or directory, and the Hugging Face hub")
+        assert "is unreachable" in msg and "local .jsonl" in msg
+
+
+def test_unknown_hub_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
+    from datasets.exceptions import DatasetNotFoundError
+
+    def not_found(*a, **k):
+        raise DatasetNotFoundError("Dataset 'someone/nope' doesn't exist on the Hub or cannot be accessed.")
+
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout_s=3.0: True)
+    monkeypatch.setattr("datasets.load_dataset", not_found)
+    with pytest.raises(UserError) as info:
+        load_examples("someone/nope")
+    msg = _one_line(info.value)
+    assert msg.startswith("someone/nope: no such local file or directory")
+    assert "hub has no dataset 'someone/nope'" in msg
 
 
 def test_hub_name_offline_mode_cache_miss(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,14 +207,54 @@ def test_hub_name_offline_mode_cache_miss(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(data, "_hub_reachable", lambda timeout_s=5.0: pytest.fail("no probe in offline mode"))
-    with pytest.raises(ConnectionError, match=r"'opsd-test/no-such-dataset-xyz'.*local .*file"):
+    monkeypatch.setattr(
+        sources, "hub_reachable", lambda timeout_s=3.0: pytest.fail("no probe in offline mode")
+    )
+    with pytest.raises(UserError) as info:
         load_examples("opsd-test/no-such-dataset-xyz")
+    msg = _one_line(info.value)
+    assert msg.startswith("opsd-test/no-such-dataset-xyz: no such local file or directory")
+    assert "offline mode is on" in msg and "local .jsonl" in msg
 
 
-def test_missing_path_is_not_taken_for_a_hub_name(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        load_examples(str(tmp_path / "nope.jsonl"))
+@pytest.mark.parametrize("name", ["nope.jsonl", "runs/data/train", "./train", "data\\train"])
+def test_missing_path_is_not_taken_for_a_hub_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout_s=3.0: pytest.fail("not a hub name"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as info:
+        load_examples(name)
+    assert _one_line(info.value) == f"{name}: no such file or directory (relative to {tmp_path})"
+    with pytest.raises(UserError, match=r"^/no/such/dir/d\.jsonl: no such file or directory$"):
+        load_examples("/no/such/dir/d.jsonl")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json_array", "json_lines", "csv"])
+def test_utf8_byte_order_mark_is_tolerated(tmp_path: Path, kind: str) -> None:
+    if kind == "csv":
+        lines = ["problem,solution,answer"] + [f"{r['problem']},{r['solution']},{r['answer']}" for r in ROWS]
+        src, text = tmp_path / "d.csv", "\n".join(lines) + "\n"
+    elif kind == "json_array":
+        src, text = tmp_path / "d.json", json.dumps(ROWS)
+    else:
+        src = tmp_path / ("d.jsonl" if kind == "jsonl" else "d.json")
+        text = "".join(json.dumps(r) + "\n" for r in ROWS)
+    src.write_text(text, encoding="utf-8-sig")
+    assert src.read_bytes().startswith(b"\xef\xbb\xbf")
+    _check_rows(load_examples(str(src), answer_key="answer"), src)
+    # the first row is a good row, not a bad one to skip
+    _check_rows(load_examples(str(src), answer_key="answer", skip_bad_rows=True), src)
+
+
+def test_config_and_data_imports_stay_light() -> None:
+    """opsd.config takes the prompt defaults; that must not load torch, transformers or datasets."""
+    code = (
+        "import sys, opsd.config, opsd.data; from opsd.data import load_examples, PromptBuilder; "
+        "heavy = {'torch', 'transformers', 'datasets', 'numpy'} & set(sys.modules); "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -192,9 +263,9 @@ def test_missing_path_is_not_taken_for_a_hub_name(tmp_path: Path) -> None:
 
 def test_missing_field_names_file_row_and_keys(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], {"problem": "p", "sol": "s"}])
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(UserError) as info:  # a user mistake: the CLI prints this one line
         load_examples(str(src))
-    msg = str(info.value)
+    msg = _one_line(info.value)
     assert str(src) in msg and "line 2 (row 1)" in msg and "'solution'" in msg and "['problem', 'sol']" in msg
 
 
@@ -251,7 +322,7 @@ def test_malformed_jsonl_line_number_and_skip_count(tmp_path: Path) -> None:
         "[1, 2]",
     ]
     src.write_text("\n".join(lines) + "\n")
-    with pytest.raises(ValueError, match=r"d\.jsonl: line 4 \(row 2\): malformed JSON"):
+    with pytest.raises(UserError, match=r"d\.jsonl: line 4 \(row 2\): malformed JSON"):
         load_examples(str(src))
     with pytest.warns(UserWarning, match="skipped 2 bad rows"):
         report = load_examples(str(src), skip_bad_rows=True)
@@ -292,14 +363,14 @@ def test_require_answer_without_skip_raises(tmp_path: Path) -> None:
 
 def test_all_rows_bad_is_an_error_even_when_skipping(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "d.jsonl", [{"q": "p"}, {"q": "r"}])
-    with pytest.raises(ValueError, match=r"no usable rows.*2 skipped as bad.*missing field 'problem'"):
+    with pytest.raises(UserError, match=r"no usable rows.*2 skipped as bad.*missing field 'problem'"):
         load_quiet(src, skip_bad_rows=True)
 
 
 def test_malformed_csv_row(tmp_path: Path) -> None:
     src = tmp_path / "d.csv"
     src.write_text('problem,solution\n"a",b\n"c",d,extra\n"e",f\n')
-    with pytest.raises(ValueError, match=r"d\.csv: could not read CSV.*Expected 2 columns"):
+    with pytest.raises(UserError, match=r"d\.csv: could not read CSV.*Expected 2 columns"):
         load_examples(str(src))
     report = load_quiet(src, skip_bad_rows=True)
     assert report.skipped_bad == 1
@@ -504,6 +575,109 @@ def test_truncation_keeps_structure_and_is_flagged(tok) -> None:
         student_prompt_ids(tok, problem, max_len=5)
 
 
+def _trainer_prompts(
+    tokenizer, d: dict, privileged: bool, ex: Example
+) -> tuple[list[int], list[int], bool, bool]:
+    """The trainer's prompt code before PromptBuilder (Trainer._prompts), kept as the reference."""
+    s_ids, s_cut = student_prompt_ids(
+        tokenizer,
+        ex.problem,
+        instruction=d["instruction"],
+        enable_thinking=d["student_thinking"],
+        max_len=d["max_prompt_len"],
+    )
+    if not privileged:
+        t_ids, t_cut = s_ids, False
+    elif d["raw_splice"]:
+        sol = tokenizer(ex.solution, add_special_tokens=False)["input_ids"]
+        t_ids = raw_splice_teacher_ids(s_ids, sol)[: d["max_teacher_prompt_len"]]
+        t_cut = len(s_ids) + len(sol) > d["max_teacher_prompt_len"]
+    else:
+        t_ids, t_cut = teacher_prompt_ids(
+            tokenizer,
+            ex.problem,
+            ex.solution,
+            template=d["teacher_template"],
+            instruction=d["instruction"],
+            enable_thinking=d["teacher_thinking"],
+            max_len=d["max_teacher_prompt_len"],
+        )
+    return s_ids, t_ids, s_cut, t_cut
+
+
+BUILDER_EXAMPLES = [
+    Example("What is 2 + 3?", "2 + 3 = 5.", "5", 0),
+    Example("Long preamble. " * 30 + "What is 2 + 2?", "Step. " * 40 + "\\boxed{4}", "4", 1),
+    Example(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 1?"}],
+        "It is 2.",
+        "2",
+        2,
+    ),
+    Example("Short?", "", None, 3),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "privileged"),
+    [
+        ({}, True),
+        ({}, False),
+        ({"raw_splice": True}, True),
+        ({"raw_splice": True, "max_teacher_prompt_len": 80}, True),
+        ({"max_prompt_len": 200, "max_teacher_prompt_len": 400}, True),
+        ({"student_thinking": False, "teacher_thinking": True, "instruction": "Box it."}, True),
+        ({"teacher_template": "Q: {problem}\nRef: {solution}\n{instruction}"}, True),
+    ],
+)
+def test_prompt_builder_matches_the_trainer(qwen_tok, case: dict, privileged: bool) -> None:
+    from opsd.config import DataConfig
+
+    cfg = DataConfig(path="x.jsonl", **case)
+    d = cfg.model_dump()
+    builder = PromptBuilder.from_config(qwen_tok, cfg, privileged)
+    want_cut = {"student": 0, "teacher": 0}
+    for i, ex in enumerate(BUILDER_EXAMPLES):
+        s_ids, t_ids, s_cut, t_cut = _trainer_prompts(qwen_tok, d, privileged, ex)
+        want_cut["student"] += s_cut
+        want_cut["teacher"] += t_cut
+        assert builder(i, ex) == (s_ids, t_ids)
+    for i, ex in enumerate(BUILDER_EXAMPLES):  # cached: no second tokenization, no second count
+        assert builder(i, ex) is builder(i, ex)
+    assert builder.truncated == want_cut
+    if "max_prompt_len" in case or "max_teacher_prompt_len" in case:
+        assert builder.truncated != {"student": 0, "teacher": 0}
+    keys = (
+        "instruction",
+        "teacher_template",
+        "student_thinking",
+        "teacher_thinking",
+        "max_prompt_len",
+        "max_teacher_prompt_len",
+        "raw_splice",
+    )
+    explicit = PromptBuilder(qwen_tok, privileged=privileged, **{k: d[k] for k in keys})
+    assert [explicit(i, ex) for i, ex in enumerate(BUILDER_EXAMPLES)] == [
+        builder(i, ex) for i, ex in enumerate(BUILDER_EXAMPLES)
+    ]
+
+
+def test_prompt_builder_truncation_state(tok) -> None:
+    builder = PromptBuilder(tok, max_prompt_len=200, max_teacher_prompt_len=400)
+    builder(1, BUILDER_EXAMPLES[1])
+    state = json.loads(json.dumps(builder.state_dict()))  # plain ints, as a checkpoint stores them
+    assert state == builder.truncated == {"student": 1, "teacher": 1}
+    builder.truncated["student"] = 99  # a copy: the counts change only through the builder
+    assert builder.truncated["student"] == 1
+    fresh = PromptBuilder(tok, max_prompt_len=200, max_teacher_prompt_len=400)
+    fresh.load_state_dict(state)
+    fresh(0, BUILDER_EXAMPLES[0])
+    assert fresh.truncated == {"student": 1, "teacher": 1}
+    with pytest.raises(UserError, match=r"must contain the field \{solution\}"):
+        PromptBuilder(tok, teacher_template="{problem} {instruction}")
+    PromptBuilder(tok, teacher_template="{problem}", privileged=False)  # the template is unused then
+
+
 # ---------------------------------------------------------------------------------------------------
 # Aligned samples
 
@@ -575,6 +749,82 @@ def test_pack_properties(lengths: list[int], max_tokens: int) -> None:
         if any(lengths[i] > max_tokens for i in g):
             assert len(g) == 1  # oversized goes alone
     assert pack_microbatches(list(lengths), max_tokens) == groups  # deterministic
+
+
+def _trainer_microbatch(mb: list[Sample], pad: int, reduction: str, global_tokens: float, global_seqs: float):
+    """What Trainer.step built per micro-batch before MicroBatch, written out without the helpers."""
+    resp = [s.response_len for s in mb]
+    weights = torch.cat(
+        [torch.full((n,), 1.0 / (global_tokens if reduction == "token" else n * global_seqs)) for n in resp]
+    )
+    targets = torch.tensor([t for s in mb for t in s.student_ids[-s.response_len :]])
+    out = {"weights": weights, "targets": targets}
+    for side in ("student", "teacher"):
+        seqs = [getattr(s, f"{side}_ids") for s in mb]
+        width = max(len(x) for x in seqs)
+        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        pos = []
+        for b, (x, r) in enumerate(zip(seqs, resp, strict=True)):
+            ids[b, : len(x)] = torch.tensor(x)
+            mask[b, : len(x)] = 1
+            pos += [b * width + p for p in range(len(x) - r - 1, len(x) - 1)]
+        out |= {f"{side}_ids": ids, f"{side}_mask": mask, f"{side}_pos": torch.tensor(pos, dtype=torch.long)}
+    return out
+
+
+@pytest.mark.parametrize("reduction", ["token", "sequence"])
+def test_microbatches_match_the_trainer(reduction: str) -> None:
+    import random
+
+    rng = random.Random(0)
+    samples = []
+    for i in range(11):
+        prompt = [rng.randrange(5, 50) for _ in range(rng.randrange(3, 20))]
+        teacher = prompt + [rng.randrange(5, 50) for _ in range(rng.randrange(0, 30))]
+        response = [rng.randrange(5, 50) for _ in range(rng.randrange(1, 12))]
+        samples.append(make_sample(prompt, teacher, response, i, "stop"))
+    global_tokens, global_seqs = float(sum(s.response_len for s in samples) * 2), float(len(samples) * 2)
+    mbs = make_microbatches(
+        samples,
+        max_tokens=120,
+        pad_id=0,
+        reduction=reduction,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        device="cpu",
+    )
+    groups = pack_microbatches([max(len(s.student_ids), len(s.teacher_ids)) for s in samples], 120)
+    assert len(groups) > 2 and [m.sample_indices for m in mbs] == groups  # same groups, same order
+    for mb, group in zip(mbs, groups, strict=True):
+        assert isinstance(mb, MicroBatch)
+        chosen = [samples[i] for i in group]
+        want = _trainer_microbatch(chosen, 0, reduction, global_tokens, global_seqs)
+        for name, tensor in want.items():
+            got = getattr(mb, name)
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+        assert mb.weights.dtype == torch.float32
+        assert mb.response_lens == [s.response_len for s in chosen]
+        assert mb.student_real_tokens == sum(len(s.student_ids) for s in chosen) == int(mb.student_mask.sum())
+        assert mb.teacher_real_tokens == sum(len(s.teacher_ids) for s in chosen) == int(mb.teacher_mask.sum())
+        assert mb.student_padded_tokens == mb.student_ids.numel()
+        assert mb.teacher_padded_tokens == mb.teacher_ids.numel()
+        # the positions pick the hidden states that predict the targets, on both sides
+        for side in ("student", "teacher"):
+            ids, pos = getattr(mb, f"{side}_ids").reshape(-1), getattr(mb, f"{side}_pos")
+            assert torch.equal(ids[pos + 1], mb.targets)
+    total = torch.cat([m.weights for m in mbs]).double().sum().item()
+    assert total == pytest.approx(0.5)  # this rank's half of the global loss weight
+    with pytest.raises(ValueError, match="reduction"):
+        make_microbatches(
+            samples,
+            max_tokens=120,
+            pad_id=0,
+            reduction="mean",
+            global_tokens=1.0,
+            global_seqs=1.0,
+            device="cpu",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -7,22 +7,27 @@ import json
 
 import pytest
 
-from opsd import demo
+from opsd.cli import main
 from opsd.data import load_examples
+from opsd.demo import base, task
+from opsd.demo import run as demo_run
+from opsd.errors import UserError
+from opsd.grading import Grade
+from opsd.metrics import LOSS_STAT_KEYS, step_record
 
 # ----------------------------------------------------------------------------------------------
 # Generator
 
 
 def test_worked_solution_is_column_addition_with_carries():
-    assert demo.worked_solution(437, 285, 3) == "12 12 07 so 0722"
-    assert demo.worked_solution(999, 999, 3) == "18 19 19 so 1998"
-    assert demo.worked_solution(100, 100, 3) == "00 00 02 so 0200"
-    assert demo.worked_solution(55, 45, 2) == "10 10 so 100"
+    assert task.worked_solution(437, 285, 3) == "12 12 07 so 0722"
+    assert task.worked_solution(999, 999, 3) == "18 19 19 so 1998"
+    assert task.worked_solution(100, 100, 3) == "00 00 02 so 0200"
+    assert task.worked_solution(55, 45, 2) == "10 10 so 100"
 
 
 def test_worked_solution_totals_add_up_for_many_problems():
-    for row in demo.make_rows(300, seed=5, digits=3):
+    for row in task.make_rows(300, seed=5, digits=3):
         a, b = (int(x) for x in row["problem"].rstrip("=").split("+"))
         totals = row["solution"].split(" so ")[0].split()
         carry = 0
@@ -34,13 +39,13 @@ def test_worked_solution_totals_add_up_for_many_problems():
 
 
 def test_generator_is_deterministic_and_seeded():
-    assert demo.make_rows(50, seed=3, digits=3) == demo.make_rows(50, seed=3, digits=3)
-    assert demo.make_rows(50, seed=3, digits=3) != demo.make_rows(50, seed=4, digits=3)
-    assert demo.make_splits(1, 3, 100, 100, 50) == demo.make_splits(1, 3, 100, 100, 50)
+    assert task.make_rows(50, seed=3, digits=3) == task.make_rows(50, seed=3, digits=3)
+    assert task.make_rows(50, seed=3, digits=3) != task.make_rows(50, seed=4, digits=3)
+    assert task.make_splits(1, 3, 100, 100, 50) == task.make_splits(1, 3, 100, 100, 50)
 
 
 def test_splits_are_disjoint_and_distinct():
-    split = demo.make_splits(0, 3, 500, 500, 200)
+    split = task.make_splits(0, 3, 500, 500, 200)
     problems = {name: [r["problem"] for r in rows] for name, rows in split.items()}
     assert {name: len(p) for name, p in problems.items()} == {"sft": 500, "train": 500, "heldout": 200}
     for p in problems.values():
@@ -50,20 +55,20 @@ def test_splits_are_disjoint_and_distinct():
 
 
 def test_operands_have_the_requested_width():
-    for row in demo.make_rows(100, seed=0, digits=2):
+    for row in task.make_rows(100, seed=0, digits=2):
         a, b = row["problem"].rstrip("=").split("+")
         assert len(a) == len(b) == 2 and a[0] != "0" and b[0] != "0"
 
 
 def test_generator_rejects_impossible_requests():
     with pytest.raises(ValueError, match="distinct 1-digit"):
-        demo.make_rows(82, seed=0, digits=1)  # only 9 * 9 = 81 exist
+        task.make_rows(82, seed=0, digits=1)  # only 9 * 9 = 81 exist
     with pytest.raises(ValueError, match="digits=0"):
-        demo.make_rows(1, seed=0, digits=0)
+        task.make_rows(1, seed=0, digits=0)
 
 
 def test_rows_load_with_the_training_data_loader(tmp_path):
-    rows = demo.make_rows(20, seed=0, digits=3)
+    rows = task.make_rows(20, seed=0, digits=3)
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     rep = load_examples(str(path), answer_key="answer", require_answer=True)
@@ -99,12 +104,44 @@ def test_rows_load_with_the_training_data_loader(tmp_path):
     ],
 )
 def test_grade(response, expected):
-    assert demo.grade(response, "0722") is expected
+    assert task.grade(response, "0722").correct is expected
 
 
 def test_final_answer_takes_the_last_one():
-    assert demo.final_answer("so 0100 so 0722") == "0722"
-    assert demo.final_answer("no answer here") is None
+    assert task.final_answer("so 0100 so 0722") == "0722"
+    assert task.final_answer("no answer here") is None
+
+
+def test_grade_is_a_grader_for_opsd_eval():
+    """The task grader speaks opsd.grading's Grade, so opsd eval's loop counts answers and misses."""
+    assert task.grade("12 12 07 so 0722", "0722") == Grade(correct=True, extracted="0722", error=None)
+    assert task.grade("12 12 07 so 0723", "0722") == Grade(correct=False, extracted="0723", error=None)
+    assert task.grade("no answer", "0722") == Grade(correct=False, extracted=None, error=None)
+
+
+def test_generation_budget_is_the_solution_plus_stop_plus_one():
+    assert task.max_response_tokens(3) == len("12 12 07 so 0722") + 2
+    assert task.max_response_tokens(2) == len("10 10 so 100") + 2
+
+
+def test_heldout_accuracy_goes_through_opsd_eval(monkeypatch):
+    """The demo's accuracy is opsd.eval.evaluate_model with the task's grader and the demo's prompts."""
+    import opsd.eval
+
+    seen = {}
+
+    def spy(model, tok, examples, **kw):
+        seen.update(kw, examples=examples)
+        return opsd.eval.EvalResult("x", 1, len(examples), 0.25, 0.25, 17.0, 0.0, 0.0, 0, 0, 0.0)
+
+    monkeypatch.setattr(opsd.eval, "evaluate_model", spy)
+    tok = base.build_tokenizer()
+    rows = task.make_rows(4, seed=0, digits=3)
+    assert demo_run.heldout_accuracy(None, tok, rows, 3, with_solution=True) == 0.25
+    assert seen["grader"] is task.grade and seen["temperature"] == 0.0 and seen["k"] == 1
+    assert seen["max_new_tokens"] == task.max_response_tokens(3)
+    assert seen["prompts"] == [base.prompt_ids(tok, r, with_solution=True) for r in rows]
+    assert [e.answer for e in seen["examples"]] == [r["answer"] for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,10 +149,10 @@ def test_final_answer_takes_the_last_one():
 
 
 def test_prompts_differ_only_by_the_solution():
-    tok = demo.build_tokenizer()
-    row = demo.make_row(437, 285, 3)
-    student = tok.decode(demo.prompt_ids(tok, row, with_solution=False))
-    teacher = tok.decode(demo.prompt_ids(tok, row, with_solution=True))
+    tok = base.build_tokenizer()
+    row = task.make_row(437, 285, 3)
+    student = tok.decode(base.prompt_ids(tok, row, with_solution=False))
+    teacher = tok.decode(base.prompt_ids(tok, row, with_solution=True))
     assert "437+285=" in student and row["solution"] not in student
     assert "437+285=" in teacher and f"Worked: {row['solution']}" in teacher
     # character level: every digit of the solution is one token
@@ -123,18 +160,57 @@ def test_prompts_differ_only_by_the_solution():
 
 
 def test_base_key_changes_with_every_base_setting():
-    s = demo.DemoSettings()
-    assert s.base_key() == demo.DemoSettings().base_key()
+    s = base.DemoSettings()
+    assert s.base_key() == base.DemoSettings().base_key()
     for change in ({"seed": 1}, {"digits": 2}, {"sft_steps": 10}, {"sft_teacher_frac": 0.3}, {"hidden": 64}):
-        assert demo.DemoSettings(**change).base_key() != s.base_key()
-    assert demo.DemoSettings(opsd_steps=5).base_key() == s.base_key()  # OPSD settings do not rebuild
+        assert base.DemoSettings(**change).base_key() != s.base_key()
+    assert base.DemoSettings(opsd_steps=5).base_key() == s.base_key()  # OPSD settings do not rebuild
 
 
-def test_run_dir_that_is_not_a_demo_run_is_refused(tmp_path):
+def test_run_dir_that_is_not_a_demo_run_is_refused(tmp_path, capsys):
     (tmp_path / "precious.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not an `opsd demo` run"):
-        demo.run(demo.DemoSettings(), tmp_path, cache=tmp_path / "cache", progress=False)
+    with pytest.raises(UserError, match="not an `opsd demo` run"):
+        demo_run.run_opsd(base.DemoSettings(), tmp_path, cache=tmp_path / "cache", progress=False)
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+    # through the CLI: one line naming the directory, exit status 2, no traceback
+    assert main(["demo", "--run-dir", str(tmp_path), "--cache", str(tmp_path / "cache")]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path) in err and "not an `opsd demo` run" in err and "Traceback" not in err
+    assert not (tmp_path / "cache").exists()  # refused before any work
+
+
+def test_cli_rejects_zero_steps(capsys):
+    assert main(["demo", "--steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--steps" in err and "Traceback" not in err
+
+
+def test_plot_uses_the_report_plotting(tmp_path):
+    """demo.png: the accuracy curve and the divergence from metrics.jsonl, drawn by opsd.report."""
+    lines = []
+    for step in range(1, 4):
+        rec = step_record(
+            step=step,
+            loss=1.0 / step,
+            loss_stats={k: 0.5 / step for k in LOSS_STAT_KEYS},
+            grad_norm=1.0,
+            lr=1e-3,
+            response_lens=[17],
+            truncated=0,
+            tokens=17,
+            real_tokens={"teacher": 1, "student": 1},
+            padded_tokens={"teacher": 1, "student": 1},
+            skipped=False,
+            prompt_truncated={"teacher": 0, "student": 0},
+            epoch=0,
+            times={},
+            elapsed=1.0,
+            peak_mem_gb=0.0,
+        )
+        lines.append(json.dumps(rec))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    path = demo_run.plot_curve(tmp_path, [(0, 0.1), (3, 0.5)], control=False, teacher_acc=1.0)
+    assert path == tmp_path / "demo.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_prints_the_table(monkeypatch, capsys, tmp_path):
@@ -155,11 +231,13 @@ def test_cli_prints_the_table(monkeypatch, capsys, tmp_path):
         seen.update(settings=s, run_dir=run_dir, **kw)
         return fake
 
-    monkeypatch.setattr(demo, "run", fake_run)
+    monkeypatch.setattr(demo_run, "run_opsd", fake_run)
     p = argparse.ArgumentParser()
-    demo.add_demo_arguments(p)
+    demo_run.add_demo_arguments(p)
     assert (
-        demo.run_demo(p.parse_args(["--control", "--seed", "2", "--steps", "7", "--run-dir", str(tmp_path)]))
+        demo_run.run_demo(
+            p.parse_args(["--control", "--seed", "2", "--steps", "7", "--run-dir", str(tmp_path)])
+        )
         == 0
     )
     out = capsys.readouterr().out
@@ -178,14 +256,14 @@ SHORT = dict(sft_steps=250, opsd_steps=120, eval_every=120, n_heldout=200, n_sft
 
 @pytest.mark.slow
 def test_short_demo_gains_and_its_control_does_not(tmp_path):
-    s = demo.DemoSettings(seed=0, **SHORT)
+    s = base.DemoSettings(seed=0, **SHORT)
     cache = tmp_path / "cache"
-    r = demo.run(s, tmp_path / "run", cache=cache, progress=False)
+    r = demo_run.run_opsd(s, tmp_path / "run", cache=cache, progress=False)
     # The control: same base model (from the cache), no solution in the teacher's context. Its
     # teacher equals the student, so its gradient is exactly zero from the first step: a few steps
     # show it as well as many.
-    c = demo.run(
-        demo.DemoSettings(seed=0, **{**SHORT, "opsd_steps": 10, "eval_every": 10}),
+    c = demo_run.run_opsd(
+        base.DemoSettings(seed=0, **{**SHORT, "opsd_steps": 10, "eval_every": 10}),
         tmp_path / "control",
         control=True,
         cache=cache,
@@ -193,7 +271,7 @@ def test_short_demo_gains_and_its_control_does_not(tmp_path):
         plot=False,
     )
 
-    assert r["teacher_with_solution"] >= 0.9  # the base model can use the reference
+    assert r["teacher_with_solution"] >= 0.9  # the base model can use the worked solution
     assert r["student_before"] <= 0.5  # and is an imperfect student without it
     assert c["student_before"] == r["student_before"]  # same base model, same held-out set
     summary = {k: r[k] for k in ("student_before", "student_after", "teacher_with_solution", "seconds")}

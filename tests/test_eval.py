@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from opsd.cli import main
 from opsd.data import Example, load_examples, student_prompt_ids
+from opsd.errors import UserError
 from opsd.eval import EvalResult, add_eval_arguments, evaluate, evaluate_model, format_table, run_eval
+from opsd.grading import Grade
 from opsd.rollout import Completion
 
 ROWS = [
@@ -172,10 +175,10 @@ def test_missing_answer_field_names_row_and_keys(tmp_path: Path, tiny_model_dir:
 
 def test_unreadable_model_path(tmp_path: Path) -> None:
     data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
-    with pytest.raises(FileNotFoundError, match="nope"):
+    with pytest.raises(UserError, match="nope"):
         evaluate(str(tmp_path / "nope"), str(data))
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises((ValueError, OSError), match="empty_dir"):
+    with pytest.raises(UserError, match="empty_dir"):
         evaluate(str(tmp_path / "empty_dir"), str(data))
 
 
@@ -221,3 +224,99 @@ def test_eval_result_summary_is_json(tiny_tokenizer) -> None:
     r = EvalResult("m", 1, 1, 1.0, 1.0, 3.0, 0.0, 0.0, 0, 0, 0.1, {"k": 1}, [{"x": 1}])
     s = r.summary()
     assert "items" not in s and json.loads(json.dumps(s))["avg_at_k"] == 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# A task's own grader and prompts (the demo's), and the CLI's configuration dialect and user errors
+
+
+def test_custom_grader_and_prompts(tiny_tokenizer) -> None:
+    """``grader`` replaces math-verify; ``prompts`` replace the student prompt, one per example."""
+    scripts = {0: [("1/2 as a decimal", ""), ("half", "stop")], 1: [("Natalia", ""), ("72 clips", "stop")]}
+    prompts = [
+        student_prompt_ids(tiny_tokenizer, "1/2 as a decimal, with a hint", instruction="")[0],
+        student_prompt_ids(tiny_tokenizer, "Natalia, with a hint", instruction="")[0],
+    ]
+    seen = []
+
+    def by_first_word(response: str, gold: str) -> Grade:
+        seen.append((response, gold))
+        word = response.split()[0]
+        return Grade(correct=word == gold, extracted=word, error=None)
+
+    res = evaluate_model(
+        None,
+        tiny_tokenizer,
+        _examples()[:2],
+        engine=ScriptedEngine(tiny_tokenizer, scripts),
+        grader=by_first_word,
+        prompts=prompts,
+    )
+    assert seen == [("half", "0.5"), ("72 clips", "Sold 24 in May.\n#### 72")]
+    assert res.avg_at_k == 0.0 and res.no_answer_frac == 0.0
+    assert res.items[1]["extracted"] == ["72"]
+    assert res.settings["grader"].endswith("by_first_word")
+    with pytest.raises(ValueError, match="one per example"):
+        evaluate_model(None, tiny_tokenizer, _examples(), prompts=prompts)
+
+
+def test_config_file_and_overrides(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`opsd eval --config eval.yaml key=value`, the dialect of `opsd train`; flags are shorthands."""
+    from opsd.config import load_config
+    from opsd.eval import EVAL_FLAGS, EvalRunConfig, flag_overrides
+
+    cfg_path = tmp_path / "eval.yaml"
+    cfg_path.write_text(f"model:\n  path: {tiny_model_dir}\ndata:\n  path: d.jsonl\nk: 4\n")
+    cfg = load_config(cfg_path, ["rollout.temperature=0", "data.limit=2"], schema=EvalRunConfig)
+    assert cfg.model.path == [str(tiny_model_dir)] and cfg.k == 4
+    assert cfg.rollout.temperature == 0 and cfg.data.limit == 2 and cfg.rollout.top_p == 0.95
+    assert cfg.grader == "boxed"
+    assert load_config(cfg_path, ["grader=lenient"], schema=EvalRunConfig).grader == "lenient"
+
+    p = argparse.ArgumentParser()
+    add_eval_arguments(p)
+    args = p.parse_args(["--model", "a", "b", "k=3", "--data", "1e5.jsonl", "--no-thinking"])
+    assert args.model == ["a", "b", "k=3"]  # argparse's view; run_eval hands k=3 back to the overrides
+    flags = flag_overrides(args, EVAL_FLAGS)
+    assert 'data.path="1e5.jsonl"' in flags and "data.student_thinking=false" in flags
+    cfg = load_config(None, flags, schema=EvalRunConfig)
+    assert cfg.data.path == "1e5.jsonl"  # a file name stays a string, not the number 100000.0
+    with pytest.raises(UserError, match=r"rollout\.tempreature"):
+        load_config(cfg_path, ["rollout.tempreature=0"], schema=EvalRunConfig)
+
+
+def test_cli_config_and_stray_override(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    out = tmp_path / "out"
+    cfg = tmp_path / "eval.yaml"
+    cfg.write_text(f"data:\n  path: {data}\nrollout:\n  max_new_tokens: 2\n  temperature: 0\n")
+    argv = ["eval", "--config", str(cfg), "--out", str(out), "--model", str(tiny_model_dir), "data.limit=1"]
+    assert main(argv) == 0
+    summary = json.loads((out / "tiny.summary.json").read_text())
+    assert summary["num_problems"] == 1 and summary["settings"]["max_new_tokens"] == 2
+    assert summary["settings"]["temperature"] == 0
+
+
+def _cli_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    good = str(_write_jsonl(tmp_path / "d.jsonl", ROWS))
+    model = ["--model", str(tiny_model_dir)]
+    missing = str(tmp_path / "missing.jsonl")
+    assert missing in _cli_error(capsys, ["eval", *model, "--data", missing])
+    nope = str(tmp_path / "no_such_model")
+    assert "no_such_model" in _cli_error(capsys, ["eval", "--model", nope, "--data", good])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": \n')
+    err = _cli_error(capsys, ["eval", *model, "--data", str(bad)])
+    assert "bad.jsonl" in err and "line 2" in err
+    no_answers = _write_jsonl(tmp_path / "no_answers.jsonl", [{"problem": "a", "solution": "x"}])
+    err = _cli_error(capsys, ["eval", *model, "--data", str(no_answers)])
+    assert "no_answers.jsonl" in err and "'answer'" in err
+    assert "k" in _cli_error(capsys, ["eval", *model, "--data", good, "k=0"])
+    assert "model.path" in _cli_error(capsys, ["eval", "--data", good])

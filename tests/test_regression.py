@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from opsd import Trainer, load_config
-from opsd.models import build_tiny_model, build_tiny_tokenizer
+from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
 CASES = {
     "fixed-lora": {},

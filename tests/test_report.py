@@ -9,32 +9,48 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from opsd.report import add_report_arguments, load_run_metrics, run_report, write_report
+from opsd.cli import main
+from opsd.errors import UserError
+from opsd.metrics import STEP_KEYS, TIME_KEYS, step_record
+from opsd.report import (
+    PLOTS,
+    Panel,
+    add_report_arguments,
+    load_run_metrics,
+    plot_panels,
+    run_report,
+    write_report,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _train_record(step: int, loss: float) -> dict:
-    return {
-        "step": step,
-        "loss": loss,
-        "divergence": loss / 2,
-        "clip_frac": 0.1,
-        "entropy_student": 1.5,
-        "entropy_teacher": 1.2,
-        "agreement": 0.8,
-        "resp_len_mean": 100.0 + step,
-        "resp_len_max": 256,
-        "truncated_frac": 0.05,
-        "tokens_per_s": 900.0,
-        "time_rollout": 1.0,
-        "time_teacher": 0.3,
-        "time_student": 0.5,
-        "time_optim": 0.1,
-        "peak_mem_gb": 3.2,
-        "lr": 1e-5,
-        "grad_norm": 0.7,
-    }
+    """A metrics.jsonl line as the trainer writes it (opsd.metrics.step_record), so the keys are the contract."""
+    return step_record(
+        step=step,
+        loss=loss,
+        loss_stats={
+            "divergence": loss / 2,
+            "clip_frac": 0.1,
+            "entropy_student": 1.5,
+            "entropy_teacher": 1.2,
+            "agreement": 0.8,
+        },
+        grad_norm=0.7,
+        lr=1e-5,
+        response_lens=[100 + step, 256],
+        truncated=0,
+        tokens=900,
+        real_tokens={"teacher": 90, "student": 90},
+        padded_tokens={"teacher": 100, "student": 100},
+        skipped=False,
+        prompt_truncated={"teacher": 0, "student": 0},
+        epoch=0,
+        times={"rollout": 0.5, "teacher": 0.15, "student": 0.25, "loss": 0.05, "optim": 0.05},
+        elapsed=1.0,
+        peak_mem_gb=3.2,
+    )
 
 
 def _write_run(run_dir: Path) -> None:
@@ -84,6 +100,7 @@ def test_write_report_makes_pngs_and_markdown(tmp_path: Path) -> None:
         assert f"({name})" in md
     assert "model: tiny" in md  # config embedded
     assert "| loss | 108 | 8 |" in md  # final number is the resumed run's
+    assert "| time_loss |" in md
     assert "| eval/avg@1 | 0.2 | 5 |" in md
     assert "1 line(s) skipped" in md and "superseded" in md
 
@@ -104,13 +121,47 @@ def test_missing_keys_and_separate_eval_file(tmp_path: Path) -> None:
 def test_empty_run_still_reports_and_missing_run_errors(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+    with pytest.raises(UserError, match="metrics.jsonl"):
         write_report(run)
     (run / "metrics.jsonl").write_text("")
     md = write_report(run).read_text()
     assert "none yet" in md
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(UserError, match="does not exist"):
         write_report(tmp_path / "nope")
+
+
+def test_cli_missing_run_dir_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no_such_run"
+    assert main(["report", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "does not exist" in err and "Traceback" not in err
+
+
+def test_plots_cover_the_trainers_metric_names() -> None:
+    """Every key a plot asks for is one the trainer writes, and the step-time plot has every phase."""
+    keys = {k.removeprefix("stack:") for _, _, panels in PLOTS for panel in panels for k in panel}
+    assert keys <= set(STEP_KEYS), keys - set(STEP_KEYS)
+    throughput = next(panels for stem, _, panels in PLOTS if stem == "throughput")
+    assert [k.removeprefix("stack:") for k in throughput[1]] == list(TIME_KEYS)
+    assert "time_loss" in TIME_KEYS
+
+
+def test_plot_panels_for_other_callers(tmp_path: Path) -> None:
+    """The plotting entry other commands (opsd demo) use: several curves, a constant level, own x axes."""
+    path = plot_panels(
+        tmp_path / "x.png",
+        "title",
+        [
+            Panel(
+                {"a": ([0, 1, 2], [1.0, 2.0, 3.0]), "b": ([0, 2], [0.5, 0.7])},
+                hlines={"top": 3.0},
+                ylim=(0, 4),
+            ),
+            Panel({"c": ([10, 20], [1.0, 0.0])}, xlabel="tokens"),
+        ],
+        sharex=False,
+    )
+    _assert_png(path)
 
 
 def test_cli_glue(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import random
+import sys
+from dataclasses import replace
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
-from opsd.rollout import Completion, HFEngine, SamplingParams, make_engine
+from opsd.config import RolloutConfig
+from opsd.errors import UserError
+from opsd.rollout import (
+    Completion,
+    HFEngine,
+    RolloutEngine,
+    SamplingParams,
+    check_weight_coverage,
+    make_engine,
+)
 
 PROMPTS = ["What is 3 + 4?", "1", "Compute 12 * 7 and explain step by step.", "a b"]
 
@@ -189,8 +204,7 @@ def test_sees_trainer_updates_without_sync(tiny_model, tiny_tokenizer, prompts):
     before = _greedy(engine, prompts)
     with torch.no_grad():
         tiny_model.lm_head.weight.mul_(-1.0)  # an "optimizer step" that surely changes the argmax
-    engine.sync_weights(tiny_model)
-    after = _greedy(engine, prompts)
+    after = _greedy(engine, prompts)  # no sync_weights: the engine generates with the live parameters
     assert [c.token_ids for c in before] != [c.token_ids for c in after]
 
 
@@ -206,31 +220,6 @@ def test_peft_lora_model(tiny_model, tiny_tokenizer, prompts):
     for c in sampled:
         ref = _teacher_forced_logprobs(lora, prompts[c.prompt_index], c.token_ids, 1.0)
         torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
-
-
-def test_peft_merged_state_dict_matches_merge_and_unload(tiny_model, tiny_tokenizer):
-    """What VLLMEngine.sync_weights ships for LoRA: base names, deltas folded in, model untouched."""
-    peft = pytest.importorskip("peft")
-    from opsd.rollout import peft_merged_state_dict
-
-    names = set(tiny_model.state_dict())
-    cfg = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    lora = peft.get_peft_model(tiny_model, cfg)
-    with torch.no_grad():
-        for n, p in lora.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
-    before = {k: v.clone() for k, v in lora.state_dict().items()}
-    merged = peft_merged_state_dict(lora)
-    assert set(merged) == names
-    assert all(torch.equal(v, before[k]) for k, v in lora.state_dict().items())  # out of place
-    reference = lora.merge_and_unload().state_dict()
-    for k, v in reference.items():
-        torch.testing.assert_close(merged[k], v)
-    assert not torch.equal(
-        merged["model.layers.0.self_attn.q_proj.weight"],
-        before["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"],
-    )
 
 
 @pytest.mark.parametrize(
@@ -260,19 +249,17 @@ def test_bad_prompts(tiny_model, tiny_tokenizer):
         HFEngine(tiny_model, tiny_tokenizer, batch_size=0)
 
 
-def test_make_engine(tiny_model, tiny_tokenizer):
-    engine = make_engine("hf", tiny_model, tiny_tokenizer, batch_size=4)
-    assert isinstance(engine, HFEngine) and engine.batch_size == 4
-    engine.sleep()
+def test_make_engine(tiny_model, tiny_tokenizer, prompts):
+    engine = make_engine(RolloutConfig(batch_size=4), tiny_model, tiny_tokenizer, seed=0)
+    assert isinstance(engine, HFEngine) and isinstance(engine, RolloutEngine)
+    assert engine.batch_size == 4 and engine.model is tiny_model
+    before = _greedy(engine, prompts)
+    engine.sleep()  # the HF engine shares the trainer's model: sleep and wake keep everything
     engine.wake()
-    with pytest.raises(ValueError, match="allowed"):
-        make_engine("tgi", tiny_model, tiny_tokenizer)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
-def test_vllm_missing_is_a_clear_error(tiny_model, tiny_tokenizer):
-    with pytest.raises(ImportError, match=r"pip install opsd\[vllm\]"):
-        make_engine("vllm", tiny_model, tiny_tokenizer)
+    assert [c.token_ids for c in _greedy(engine, prompts)] == [c.token_ids for c in before]
+    engine.close()
+    with pytest.raises(UserError, match="allowed"):
+        make_engine(RolloutConfig.model_construct(engine="tgi"), tiny_model, tiny_tokenizer, seed=0)
 
 
 @pytest.mark.smollm2
@@ -291,40 +278,272 @@ def test_smollm2_generates_from_chat_template(smollm2_path):
         assert out[0].token_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")
 
 
-def _vllm_ready() -> bool:
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+# ----------------------------------------------------------------------------------------------
+# VLLMEngine against a small fake `vllm` module: call order and arguments. tests/test_vllm.py runs
+# the same engine on the real vLLM (CPU build).
 
 
-@pytest.mark.vllm
-@pytest.mark.gpu
-@pytest.mark.smollm2
-@pytest.mark.skipif(not _vllm_ready(), reason="needs vLLM and a CUDA GPU")
-def test_vllm_engine_matches_hf_and_syncs(smollm2_path):
-    from opsd.models import load_model, load_tokenizer
-    from opsd.rollout import VLLMEngine
+class _FakeVLLMModel(torch.nn.Module):
+    """vLLM's view of a Llama: q/k/v and gate/up packed into one parameter each."""
 
-    tok = load_tokenizer(str(smollm2_path))
-    model = load_model(str(smollm2_path), device="cuda")
-    msgs = [{"role": "user", "content": "What is 2 + 3?"}]
-    prompt = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)).input_ids
-    engine = VLLMEngine(model, tok, model_path=str(smollm2_path), gpu_memory_utilization=0.2)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-    v = engine.generate([prompt], 1, greedy)[0]
-    # vLLM runs bf16: its greedy tokens must be (near-)argmax under the fp32 HF model
-    ref = _teacher_forced_logprobs(model.cpu(), prompt, v.token_ids, 1.0)
-    with torch.no_grad():
-        ids = torch.tensor([prompt + v.token_ids])
-        best = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1], -1).max(-1).values
-    assert bool((ref > best - 0.5).all()), (ref, best)
-    model.cuda()
-    sampled = engine.generate([prompt, prompt], 3, SamplingParams(max_new_tokens=8, seed=0))
-    assert [c.prompt_index for c in sampled] == [0, 0, 0, 1, 1, 1]
-    assert all(len(c.token_ids) == len(c.logprobs) > 0 for c in sampled)
-    again = engine.generate([prompt, prompt], 3, SamplingParams(max_new_tokens=8, seed=0))
-    assert [c.token_ids for c in again] == [c.token_ids for c in sampled]
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, hf_names: list[str]) -> None:
+        super().__init__()
+        first = {parts[0]: packed for packed, parts in self.packed_modules_mapping.items()}
+        names = []
+        for n in hf_names:
+            module, leaf = n.split(".")[-2:]
+            if module in first:
+                names.append(n.replace(f".{module}.", f".{first[module]}."))
+            elif not any(module in parts for parts in self.packed_modules_mapping.values()):
+                names.append(n)
+        self.params = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(torch.zeros(1)) for n in names})
+        self.names = names
+
+    def named_parameters(self, *args, **kwargs):
+        return iter([(n, self.params[n.replace(".", "__")]) for n in self.names])
+
+
+class _FakeLLM:
+    def __init__(self, hf_names: list[str], log: list, **kwargs) -> None:
+        self.kwargs, self.log, self.model = kwargs, log, _FakeVLLMModel(hf_names)
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.group_at_init = (dist.is_initialized() and dist.get_backend(), os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: log.append(("shutdown",))))
+        torch.manual_seed(12345)  # like vLLM's set_random_seed: the engine must shield the caller's RNG
+        log.append(("LLM",))
+
+    def apply_model(self, fn):
+        self.log.append(("apply_model",))
+        return [fn(self.model)]
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.log.append(("rpc", method))
+        assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
+        for name, t in kwargs["weights_iterator"]:
+            self.loaded[name] = t.clone()
+
+    def reset_prefix_cache(self):
+        self.log.append(("reset_prefix_cache",))
+
+    def sleep(self, level):
+        self.log.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.log.append(("wake_up", tags))
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.log.append(("generate", len(prompts)))
+        sp = sampling_params
+        self.last_params = sp
+        outs = []
+        for _ in prompts:
+            samples = []
+            for j in range(sp.kwargs["n"]):
+                toks = torch.randint(0, 100, (sp.kwargs["max_tokens"],)).tolist()  # the global RNG
+                lps = [{t: SimpleNamespace(logprob=-0.5)} for t in toks]
+                samples.append(SimpleNamespace(index=j, token_ids=toks, logprobs=lps, finish_reason="length"))
+            outs.append(SimpleNamespace(outputs=samples[::-1]))  # vLLM does not promise index order
+        return outs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, tiny_model, tmp_path):
+    """Installs a fake `vllm` package; returns the call log. The tiny model gets a directory to 'load'."""
+    log: list = []
+    hf_names = list(tiny_model.state_dict())
+    llms: list[_FakeLLM] = []
+
+    def LLM(**kwargs):
+        llms.append(_FakeLLM(hf_names, log, **kwargs))
+        return llms[-1]
+
+    def destroy_distributed_environment():
+        log.append(("destroy_distributed_environment",))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    platform = SimpleNamespace(is_sleep_mode_available=lambda: True, is_cpu=lambda: True)
+    modules = {
+        "vllm": SimpleNamespace(__version__="0.32.0", LLM=LLM, SamplingParams=lambda **kw: SimpleNamespace(kwargs=kw)),
+        "vllm.platforms": SimpleNamespace(current_platform=platform),
+        "vllm.distributed": SimpleNamespace(
+            destroy_model_parallel=lambda: log.append(("destroy_model_parallel",)),
+            destroy_distributed_environment=destroy_distributed_environment,
+        ),
+    }
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine must override it
+    tiny_model.config._name_or_path = str(tmp_path)
+    yield SimpleNamespace(log=log, llms=llms)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _vllm_engine(model, tokenizer, **rollout):
+    cfg = RolloutConfig(engine="vllm", batch_size=16, max_new_tokens=6, **rollout)
+    return make_engine(cfg, model, tokenizer, seed=3, max_prompt_len=100)
+
+
+def test_vllm_engine_arguments_and_start_order(fake_vllm, tiny_model, tiny_tokenizer):
+    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    llm = fake_vllm.llms[0]
+    assert isinstance(engine, RolloutEngine)
+    kw = llm.kwargs
+    assert kw["distributed_executor_backend"] == "external_launcher" and kw["tensor_parallel_size"] == 1
+    assert (kw["model"], kw["tokenizer"]) == (tiny_model.config._name_or_path,) * 2
+    assert kw["dtype"] == "float32"  # "auto" follows the trainer's model
+    assert (kw["max_model_len"], kw["max_num_seqs"], kw["seed"]) == (106, 16, 3)
+    assert kw["enable_sleep_mode"] is True and kw["logprobs_mode"] == "processed_logprobs"
+    # In-process engine core, on a CPU-capable default group created before vLLM could make one.
+    assert llm.group_at_init == ("gloo", "0")
+    # Start: build, read vLLM's parameter names, load the trainer's weights, drop cached prefixes.
+    assert fake_vllm.log == [("LLM",), ("apply_model",), ("rpc", "reload_weights"), ("reset_prefix_cache",)]
+    assert list(llm.loaded) == list(tiny_model.state_dict())
+    for name, t in tiny_model.state_dict().items():
+        assert torch.equal(llm.loaded[name], t)
+    x = torch.ones(3, dtype=torch.float64)
+    dist.all_reduce(x)  # what the trainer does with its CPU float64 counters
+    assert x.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_vllm_engine_config_overrides(fake_vllm, tiny_model, tiny_tokenizer):
+    _vllm_engine(
+        tiny_model, tiny_tokenizer, vllm_dtype="bfloat16", max_model_len=64, vllm_sleep_level=0,
+        vllm_kwargs={"enforce_eager": True},
+    )
+    kw = fake_vllm.llms[0].kwargs
+    assert (kw["dtype"], kw["max_model_len"], kw["enable_sleep_mode"], kw["enforce_eager"]) == (
+        "bfloat16", 64, False, True,
+    )
+
+
+def test_vllm_generate_one_request_per_prompt_seeded_once(fake_vllm, tiny_model, tiny_tokenizer, prompts):
+    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    llm = fake_vllm.llms[0]
+    torch.manual_seed(7)
+    np.random.seed(7)
+    random.seed(7)
+    states = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    params = SamplingParams(temperature=0.8, top_k=5, max_new_tokens=6, stop_token_ids=[9], seed=11)
+    a = engine.generate(prompts, 3, params)
+    assert fake_vllm.log[-1] == ("generate", len(prompts))  # one request per prompt, n samples each
+    sp = llm.last_params.kwargs
+    assert "seed" not in sp  # no per-request seeds: vLLM samples the whole batch at once
+    assert (sp["n"], sp["temperature"], sp["top_k"], sp["max_tokens"], sp["logprobs"]) == (3, 0.8, 5, 6, 0)
+    assert set(sp["stop_token_ids"]) == {tiny_tokenizer.eos_token_id, 9}
+    assert [c.prompt_index for c in a] == [i for i in range(len(prompts)) for _ in range(3)]
+    assert all(c.logprobs == [-0.5] * len(c.token_ids) for c in a)
+    assert a[0].token_ids != a[1].token_ids  # the n samples of a prompt are distinct draws
+    assert [c.token_ids for c in engine.generate(prompts, 3, params)] == [c.token_ids for c in a]
+    other = engine.generate(prompts, 3, replace(params, seed=12))
+    assert [c.token_ids for c in other] != [c.token_ids for c in a]
+    assert torch.equal(torch.get_rng_state(), states[0])  # the caller's RNG streams are untouched
+    assert (np.random.get_state()[1] == states[1]).all() and random.getstate() == states[2]
+
+
+def test_vllm_sleep_level_2_always_reloads_at_wake(fake_vllm, tiny_model, tiny_tokenizer, prompts):
+    engine = _vllm_engine(tiny_model, tiny_tokenizer)  # level 2 is the default
+    log = fake_vllm.log
+    del log[:]
+    engine.sleep()
+    engine.wake()  # no sync_weights in between (a skipped step): the weights are reloaded anyway
+    assert log == [
+        ("sleep", 2), ("wake_up", ["weights"]), ("rpc", "reload_weights"), ("reset_prefix_cache",),
+        ("wake_up", ["kv_cache"]),
+    ]
+    del log[:]
     engine.sleep()
     with torch.no_grad():
-        model.lm_head.weight.mul_(-1.0)  # tied to the embeddings: a drastic, visible change
-    engine.sync_weights(model)  # wakes, loads the new weights, resets the prefix cache
-    after = engine.generate([prompt], 1, greedy)[0]
-    assert after.token_ids != v.token_ids
+        tiny_model.lm_head.weight.add_(1.0)
+    engine.sync_weights(tiny_model)  # asleep: nothing moves until wake
+    assert log == [("sleep", 2)]
+    engine.generate(prompts, 1, SamplingParams(max_new_tokens=2, seed=0))  # wakes by itself
+    assert log[1:4] == [("wake_up", ["weights"]), ("rpc", "reload_weights"), ("reset_prefix_cache",)]
+    assert torch.equal(fake_vllm.llms[0].loaded["lm_head.weight"], tiny_model.lm_head.weight)
+
+
+def test_vllm_sleep_level_1_reloads_only_after_a_sync(fake_vllm, tiny_model, tiny_tokenizer):
+    engine = _vllm_engine(tiny_model, tiny_tokenizer, vllm_sleep_level=1)
+    log = fake_vllm.log
+    del log[:]
+    engine.sleep()
+    engine.wake()
+    assert log == [("sleep", 1), ("wake_up", None)]
+    del log[:]
+    engine.sleep()
+    engine.sync_weights(tiny_model)
+    engine.wake()
+    assert [e[0] for e in log] == ["sleep", "wake_up", "rpc", "reset_prefix_cache", "wake_up"]
+
+
+def test_vllm_awake_sync_loads_at_once_and_level_0_never_sleeps(fake_vllm, tiny_model, tiny_tokenizer):
+    engine = _vllm_engine(tiny_model, tiny_tokenizer, vllm_sleep_level=0)
+    del fake_vllm.log[:]
+    engine.sleep()
+    engine.wake()
+    engine.sync_weights(tiny_model)
+    assert fake_vllm.log == [("rpc", "reload_weights"), ("reset_prefix_cache",)]
+
+
+def test_vllm_lora_sync_sends_merged_base_weights(fake_vllm, tiny_model, tiny_tokenizer):
+    peft = pytest.importorskip("peft")
+    names = list(tiny_model.state_dict())
+    cfg = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    lora = peft.get_peft_model(tiny_model, cfg)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    _vllm_engine(lora, tiny_tokenizer)
+    loaded = fake_vllm.llms[0].loaded
+    assert list(loaded) == names
+    for k, v in lora.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(loaded[k], v)
+
+
+def test_vllm_coverage_check_refuses_a_partial_sync(fake_vllm, monkeypatch, tiny_model, tiny_tokenizer):
+    import opsd.rollout as rollout
+
+    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    full = rollout.merged_state_dict
+    gap = "model.layers.1.self_attn.k_proj.weight"
+    monkeypatch.setattr(rollout, "merged_state_dict", lambda m: {k: v for k, v in full(m).items() if k != gap})
+    del fake_vllm.log[:]
+    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight \(needs .*k_proj"):
+        engine.sync_weights(tiny_model)
+    assert fake_vllm.log == []  # refused before anything was written
+
+
+def test_check_weight_coverage():
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    vllm_params = ["model.layers.0.self_attn.qkv_proj.weight", "lm_head.weight"]
+    hf = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+          "model.layers.0.self_attn.v_proj.weight", "lm_head.weight", "extra.weight"]
+    check_weight_coverage(hf, vllm_params, packed)
+    with pytest.raises(RuntimeError, match=r"1 of vLLM's parameters.*lm_head\.weight \(needs lm_head\.weight\)"):
+        check_weight_coverage(hf[:3], vllm_params, packed)
+
+
+def test_vllm_close_frees_the_group_it_created(fake_vllm, tiny_model, tiny_tokenizer):
+    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    del fake_vllm.log[:]
+    engine.close()
+    assert fake_vllm.log == [("shutdown",), ("destroy_model_parallel",), ("destroy_distributed_environment",)]
+    assert not dist.is_initialized()
+    engine.close()  # idempotent
+    _vllm_engine(tiny_model, tiny_tokenizer).close()  # e.g. `opsd eval` over several models
+
+
+def test_vllm_tensor_parallel_needs_torchrun(fake_vllm, tiny_model, tiny_tokenizer):
+    with pytest.raises(UserError, match="tensor_parallel_size=2 needs torchrun"):
+        _vllm_engine(tiny_model, tiny_tokenizer, tensor_parallel_size=2)
+
+
+def test_vllm_missing_is_a_clear_error(monkeypatch, tiny_model, tiny_tokenizer):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
+    with pytest.raises(UserError, match=r"pip install opsd\[vllm\]"):
+        _vllm_engine(tiny_model, tiny_tokenizer)

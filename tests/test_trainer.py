@@ -13,7 +13,8 @@ import torch
 import opsd.trainer as trainer_mod
 from opsd import Config, Trainer, load_config
 from opsd.checkpoint import list_checkpoints
-from opsd.models import build_tiny_model, build_tiny_tokenizer
+from opsd.errors import UserError
+from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +131,48 @@ def test_resume_is_exact(assets, tmp_path):
 def test_run_dir_exists_is_refused_then_overwritten(assets, tmp_path):
     run = tmp_path / "run"
     Trainer(make_cfg(assets, run)).train(until_step=1)
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(UserError, match="--resume.*--overwrite"):
         Trainer(make_cfg(assets, run))
     tr = Trainer(make_cfg(assets, run), overwrite=True)
     assert tr.step_num == 0 and not list_checkpoints(run)
 
 
 def test_resume_without_checkpoint_is_refused(assets, tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(UserError, match="not an opsd run directory"):
         Trainer(make_cfg(assets, tmp_path / "empty"), resume=True)
+
+
+def test_run_killed_in_its_first_save_resumes_from_scratch(assets, tmp_path, capsys):
+    """A kill -9 during the first checkpoint leaves config.yaml, metrics and a .tmp-* directory."""
+    run = tmp_path / "run"
+    full = Trainer(make_cfg(assets, tmp_path / "full", **{"optim.max_steps": 2})).train()
+    tr = Trainer(make_cfg(assets, run, **{"optim.max_steps": 2, "checkpoint.enabled": "false"}))
+    tr.train(until_step=1)
+    partial = run / "checkpoints" / ".tmp-step_000001-123"
+    (partial / "model").mkdir(parents=True)
+    resumed = Trainer(make_cfg(assets, run, **{"optim.max_steps": 2}), resume=True)
+    assert "starting this run again from step 0" in capsys.readouterr().err
+    assert resumed.step_num == 0 and not partial.exists()
+    hist = resumed.train()
+    assert [h["loss"] for h in hist] == pytest.approx([h["loss"] for h in full], rel=1e-6)
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]  # the interrupted run's step-1 line was replaced, not repeated
+
+
+def test_resume_records_overrides_and_reports_a_finished_run(assets, tmp_path, capsys):
+    import yaml
+
+    run = tmp_path / "run"
+    Trainer(make_cfg(assets, run, **{"optim.max_steps": 1})).train()
+    Trainer(make_cfg(assets, run, **{"optim.max_steps": 2}), resume=True).train()
+    assert yaml.safe_load((run / "config.yaml").read_text())["optim"]["max_steps"] == 2
+    history = [json.loads(x) for x in (run / "config_history.jsonl").read_text().splitlines()]
+    assert [h["event"] for h in history] == ["start", "resume"]
+    assert history[1]["changes"] == {"optim.max_steps": [1, 2]}
+    capsys.readouterr()
+    assert Trainer(make_cfg(assets, run, **{"optim.max_steps": 2}), resume=True).train() == []
+    err = capsys.readouterr().err
+    assert "is complete" in err and "optim.max_steps=N" in err
 
 
 def test_nonfinite_steps_are_skipped_then_stop(assets, tmp_path, monkeypatch):
@@ -176,6 +210,7 @@ def test_skipped_step_leaves_weights_unchanged(assets, tmp_path, monkeypatch):
 
 def test_sigterm_saves_and_stops(assets, tmp_path, monkeypatch, capsys):
     tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 5, "checkpoint.every": 0}))
+    handler_before = signal.getsignal(signal.SIGTERM)
     real_step = tr.step
 
     def step_then_signal():
@@ -189,7 +224,8 @@ def test_sigterm_saves_and_stops(assets, tmp_path, monkeypatch, capsys):
     assert len(hist) == 2
     assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["step_000002"]
     assert "opsd train --resume" in capsys.readouterr().err
-    assert signal.getsignal(signal.SIGTERM) is not None  # handlers restored
+    assert signal.getsignal(signal.SIGTERM) is handler_before  # handlers restored
+    assert tr.stopped
 
 
 def test_lora_checkpoint_is_hf_loadable_and_merged(assets, tmp_path):
@@ -240,11 +276,12 @@ def test_cli_train_resume_and_errors(assets, tmp_path, capsys):
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     assert main(["train", "--config", str(path), "optim.max_steps=1"]) == 0
     assert [c.name for c in list_checkpoints(run)] == ["step_000001"]
-    assert main(["train", "--config", str(path)]) == 1
-    assert "already exists" in capsys.readouterr().err
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--overwrite" in err and "Traceback" not in err
     assert main(["train", "--resume", str(run), "optim.max_steps=2"]) == 0
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    assert main(["train", "--config", str(path), "--overwrite", "loss.beta=7"]) == 1
+    assert main(["train", "--config", str(path), "--overwrite", "loss.beta=7"]) == 2
     assert "loss.beta" in capsys.readouterr().err
 
 

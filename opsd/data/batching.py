@@ -1,0 +1,215 @@
+"""Aligned student/teacher sequences and the padded micro-batches the trainer runs them in.
+
+A :class:`Sample` holds the student's and the teacher's prompt with the same response ids appended;
+:func:`make_microbatches` groups samples under a padded-token budget and builds, per group, the padded
+tensors, the flat response positions, the target ids and the loss weights of each response token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Sample:
+    student_ids: list[int]
+    teacher_ids: list[int]
+    response_len: int  # response occupies the LAST response_len positions of both
+    example_index: int
+    finish_reason: str
+
+
+def make_sample(
+    student_prompt: list[int],
+    teacher_prompt: list[int],
+    response: list[int],
+    example_index: int,
+    finish_reason: str,
+) -> Sample:
+    """Append the same response ids to both prompts; nothing is decoded and re-encoded."""
+    if not response:
+        raise ValueError(f"example {example_index}: empty response; there is nothing to distill")
+    if not student_prompt or not teacher_prompt:
+        raise ValueError(f"example {example_index}: empty student or teacher prompt")
+    if finish_reason not in ("stop", "length"):
+        raise ValueError(
+            f"example {example_index}: finish_reason must be 'stop' or 'length', got {finish_reason!r}"
+        )
+    response = [int(t) for t in response]
+    sample = Sample(
+        student_ids=[int(t) for t in student_prompt] + response,
+        teacher_ids=[int(t) for t in teacher_prompt] + response,
+        response_len=len(response),
+        example_index=example_index,
+        finish_reason=finish_reason,
+    )
+    check_alignment(sample)
+    return sample
+
+
+def check_alignment(sample: Sample) -> None:
+    """The loss compares position t of student and teacher: both must hold the same response token."""
+    n = sample.response_len
+    if n <= 0 or n > min(len(sample.student_ids), len(sample.teacher_ids)):
+        raise ValueError(
+            f"example {sample.example_index}: response_len {n} does not fit sequences of length "
+            f"{len(sample.student_ids)} (student) and {len(sample.teacher_ids)} (teacher)"
+        )
+    s, t = sample.student_ids[-n:], sample.teacher_ids[-n:]
+    if s != t:
+        pos = next(i for i, (a, b) in enumerate(zip(s, t, strict=True)) if a != b)
+        raise ValueError(
+            f"example {sample.example_index}: student and teacher responses differ at response position {pos} "
+            f"(student token {s[pos]}, teacher token {t[pos]})"
+        )
+
+
+def pack_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sample indices so each micro-batch fits max_tokens once padded.
+
+    lengths[i] must be max(len(student_i), len(teacher_i)): the teacher is longer by the whole solution.
+    Each sample is its own padded row, so attention never crosses samples; a group therefore costs
+    len(group) * max(lengths in group) tokens, and that padded size is what the budget bounds.
+    Samples are sorted longest first (ties by index) and chunked greedily, which is first-fit-decreasing
+    for this cost. A sample longer than max_tokens goes alone. Groups come longest first (an OOM shows up
+    on the first micro-batch) with indices ascending inside each group; the result is deterministic.
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    for i, n in enumerate(lengths):
+        if n <= 0:
+            raise ValueError(f"sample {i} has length {n}; lengths must be > 0")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = lengths[current[0]] if current else lengths[i]
+        if current and (len(current) + 1) * longest > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return [sorted(g) for g in groups]
+
+
+def response_positions(lengths: list[int], response_lens: list[int], width: int) -> Tensor:
+    """Flat indices into ``[B * width]`` of the hidden states that predict each response token.
+
+    Sequences are right-padded; the response is the last ``r`` tokens of a length-``L`` row, and
+    the hidden state at position ``p`` predicts token ``p + 1``, so rows use ``L-r-1 .. L-2``.
+    """
+    idx = [
+        b * width + p for b, (n, r) in enumerate(zip(lengths, response_lens)) for p in range(n - r - 1, n - 1)
+    ]
+    return torch.tensor(idx, dtype=torch.long)
+
+
+def pad_right(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Right padding, one sample per row: attention never crosses samples."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids.to(device), mask.to(device)
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward's worth of samples, every tensor on the training device.
+
+    ``*_pos`` index the flattened ``[B * width]`` hidden states; row ``i``'s response tokens come
+    first-to-last, rows in order, matching ``targets`` and ``weights`` (``R`` = sum of response_lens).
+    ``*_padded_tokens`` is rows x width (every position computed); real / padded is the fraction of
+    the forward's work spent on real tokens.
+    """
+
+    student_ids: Tensor  # [B, Ls] long, right-padded
+    student_mask: Tensor  # [B, Ls] long
+    student_pos: Tensor  # [R] long
+    teacher_ids: Tensor  # [B, Lt] long, right-padded
+    teacher_mask: Tensor  # [B, Lt] long
+    teacher_pos: Tensor  # [R] long
+    targets: Tensor  # [R] long: the response token ids
+    weights: Tensor  # [R] float32: each token's weight in the global loss
+    response_lens: list[int]
+    sample_indices: list[int]  # which samples (indices into make_microbatches' input)
+    student_real_tokens: int
+    student_padded_tokens: int
+    teacher_real_tokens: int
+    teacher_padded_tokens: int
+
+
+def make_microbatches(
+    samples: list[Sample],
+    *,
+    max_tokens: int,
+    pad_id: int,
+    reduction: str,
+    global_tokens: float,
+    global_seqs: float,
+    device: torch.device | str,
+) -> list[MicroBatch]:
+    """Pack samples under ``max_tokens`` padded tokens and build each group's tensors.
+
+    Groups come from :func:`pack_microbatches` on max(student, teacher) length, in its order. The
+    weights make the sum over all ranks' micro-batches the global loss: ``token`` reduction gives every
+    response token 1 / global_tokens, ``sequence`` gives a length-n response's tokens 1 / (n * global_seqs)
+    (each sequence's mean, averaged over sequences).
+    """
+    if reduction not in ("token", "sequence"):
+        raise ValueError(f"reduction must be 'token' or 'sequence', got {reduction!r}")
+    groups = pack_microbatches([max(len(s.student_ids), len(s.teacher_ids)) for s in samples], max_tokens)
+    return [
+        _microbatch(samples, group, pad_id, reduction, global_tokens, global_seqs, torch.device(device))
+        for group in groups
+    ]
+
+
+def _microbatch(
+    samples: list[Sample],
+    group: list[int],
+    pad_id: int,
+    reduction: str,
+    global_tokens: float,
+    global_seqs: float,
+    device: torch.device,
+) -> MicroBatch:
+    mb = [samples[i] for i in group]
+    resp = [s.response_len for s in mb]
+    weights = torch.cat(
+        [
+            torch.full(
+                (n,), 1.0 / (global_tokens if reduction == "token" else n * global_seqs), dtype=torch.float32
+            )
+            for n in resp
+        ]
+    ).to(device)
+    targets = torch.tensor(
+        [t for s in mb for t in s.student_ids[-s.response_len :]], dtype=torch.long, device=device
+    )
+    s_ids, s_mask = pad_right([s.student_ids for s in mb], pad_id, device)
+    t_ids, t_mask = pad_right([s.teacher_ids for s in mb], pad_id, device)
+    s_pos = response_positions([len(s.student_ids) for s in mb], resp, s_ids.shape[1]).to(device)
+    t_pos = response_positions([len(s.teacher_ids) for s in mb], resp, t_ids.shape[1]).to(device)
+    return MicroBatch(
+        student_ids=s_ids,
+        student_mask=s_mask,
+        student_pos=s_pos,
+        teacher_ids=t_ids,
+        teacher_mask=t_mask,
+        teacher_pos=t_pos,
+        targets=targets,
+        weights=weights,
+        response_lens=resp,
+        sample_indices=list(group),
+        student_real_tokens=sum(len(s.student_ids) for s in mb),
+        student_padded_tokens=s_ids.numel(),
+        teacher_real_tokens=sum(len(s.teacher_ids) for s in mb),
+        teacher_padded_tokens=t_ids.numel(),
+    )

@@ -1,0 +1,15 @@
+"""The two kinds of failure a user sees.
+
+``UserError``: something the user can fix (a config value, a missing file, a bad data row). The CLI
+prints its one-line message and exits 2, with no traceback (``--debug`` shows it).
+``TrainingError``: training cannot go on (e.g. too many non-finite steps); the last good checkpoint
+is intact and the message names it.
+"""
+
+
+class UserError(ValueError):
+    """A mistake in the user's input, described in one line that names the thing to fix."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on; the last good checkpoint is intact."""

@@ -1,0 +1,69 @@
+"""Distillation losses between a student and a teacher next-token distribution.
+
+Conventions (shared with the seed PR, the paper's code and TRL):
+
+* ``S = softmax(z_s / T)``, ``P = softmax(z_t / T)``; the teacher is always a constant.
+* ``mode="jsd"`` with ``beta`` in [0, 1]: ``M = (1-beta) S + beta P`` and
+  ``JSD_beta = beta KL(P||M) + (1-beta) KL(S||M)``. The endpoints are special cases:
+  ``beta=0`` is forward ``KL(P||S)``, ``beta=1`` is reverse ``KL(S||P)``.
+* ``mode="topk"``: the same divergence over the teacher's top-k entries, both distributions
+  renormalized over them. Entries outside the top-k get no gradient.
+* ``mode="sampled"``: the sampled-token estimator. With ``A = log P(y) - log S(y)`` detached,
+  ``loss = -A log S(y)``; its gradient with respect to ``z_s`` is ``A (S - onehot(y)) / T``.
+
+Clipping (``clip_mode`` with value ``clip = tau``), and what it does to the gradient:
+
+* ``"entry"`` (the paper's code): every vocabulary entry's pointwise term ``l_i`` is clamped at
+  ``tau`` before the vocabulary sum. An entry with ``l_i > tau`` contributes ``tau`` and no
+  gradient; the others keep theirs. Because forward-KL terms ``P_i log(P_i/S_i)`` can be
+  negative, the clipped per-token loss can be negative.
+* ``"token"`` (the seed PR): the vocabulary-summed divergence is clamped at ``tau``. A token
+  whose divergence exceeds ``tau`` contributes ``tau`` and exactly zero gradient.
+* ``"none"``.
+
+Reduction is expressed by per-token ``weights``: ``loss = sum_n w_n L_n``. Normalizing the weights
+by the *global* token count (``reduction="token"``) or by each sequence's length and the global
+sequence count (``"sequence"``) makes gradient accumulation and data parallelism give the gradient
+of one big batch; the batching layer computes them.
+
+All options travel in one frozen :class:`DistillSpec` (``spec.py``), validated when it is built.
+Three implementations:
+
+* :func:`distill_loss_dense` (``reference.py``) -- the oracle: autograd over ``[N, V]`` logits.
+* :func:`fused_linear_distill` (``fused.py``) -- what training uses: takes final hidden states
+  and lm_head weights, walks rows in chunks, never holds more than one chunk of logits per
+  model, and computes analytic gradients (no autograd graph over ``[N, V]``).
+* :func:`vocab_parallel_distill` (``vocab_parallel.py``) -- logits sharded over a
+  tensor-parallel group.
+
+Only ``spec.py`` is imported eagerly (``opsd.config`` uses it and must not import torch); the
+others load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from opsd.loss.spec import CLIP_MODES, MODES, REDUCTIONS, DistillSpec, LossStats
+
+if TYPE_CHECKING:
+    from opsd.loss.fused import auto_chunk_size, fused_linear_distill
+    from opsd.loss.reference import distill_loss_dense, per_token_loss_dense
+    from opsd.loss.vocab_parallel import vocab_parallel_distill
+
+_LAZY = {
+    "fused_linear_distill": "fused",
+    "auto_chunk_size": "fused",
+    "distill_loss_dense": "reference",
+    "per_token_loss_dense": "reference",
+    "vocab_parallel_distill": "vocab_parallel",
+}
+
+__all__ = ["CLIP_MODES", "MODES", "REDUCTIONS", "DistillSpec", "LossStats", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"opsd.loss.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'opsd.loss' has no attribute {name!r}")

@@ -1,0 +1,86 @@
+"""The oracle: the loss by autograd over full ``[N, V]`` logits, written to be read.
+
+The fused and vocab-parallel losses are tested against it; it holds every logit at once, so
+training does not use it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from opsd.loss.spec import DistillSpec
+
+
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 stays float64; everything else (fp32, bf16, fp16) is computed in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def pointwise(log_s: Tensor, log_p: Tensor, beta: float) -> Tensor:
+    """Per-entry terms whose vocabulary sum is ``JSD_beta`` (autograd friendly)."""
+    if beta == 0.0:
+        return log_p.exp() * (log_p - log_s)
+    if beta == 1.0:
+        return log_s.exp() * (log_s - log_p)
+    log_m = torch.logaddexp(log_s + math.log(1 - beta), log_p + math.log(beta))
+    return beta * log_p.exp() * (log_p - log_m) + (1 - beta) * log_s.exp() * (log_s - log_m)
+
+
+def clip_rows(ell: Tensor, clip_mode: str, clip: float) -> Tensor:
+    """Vocabulary-summed, clipped divergence per row."""
+    if clip_mode == "entry":
+        return ell.clamp(max=clip).sum(-1)
+    rows = ell.sum(-1)
+    return rows.clamp(max=clip) if clip_mode == "token" else rows
+
+
+def check_logits(zs: Tensor, zt: Tensor, targets: Tensor | None, mode: str) -> None:
+    if zs.dim() != 2 or zt.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got student {tuple(zs.shape)} and teacher {tuple(zt.shape)}")
+    if zs.shape[0] != zt.shape[0]:
+        raise ValueError(f"student has {zs.shape[0]} rows but teacher has {zt.shape[0]}")
+    if zs.shape[1] != zt.shape[1]:
+        raise ValueError(f"vocab size mismatch: student V={zs.shape[1]}, teacher V={zt.shape[1]}")
+    if mode == "sampled" and (targets is None or targets.shape != zs.shape[:1]):
+        raise ValueError(f"mode='sampled' needs targets of shape [{zs.shape[0]}] (the sampled token ids)")
+
+
+def per_token_loss_dense(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    targets: Tensor | None = None,
+    spec: DistillSpec = DistillSpec(),
+) -> Tensor:
+    """``[N]`` per-token losses from ``[N, V]`` logits, by autograd."""
+    check_logits(student_logits, teacher_logits, targets, spec.mode)
+    spec.check_vocab(student_logits.shape[-1])
+    dtype = compute_dtype(student_logits)
+    a = student_logits.to(dtype) / spec.temperature
+    b = teacher_logits.detach().to(dtype) / spec.temperature
+    if spec.mode == "topk":
+        idx = b.topk(spec.topk, dim=-1).indices
+        a, b = a.gather(-1, idx), b.gather(-1, idx)
+    log_s, log_p = a.log_softmax(-1), b.log_softmax(-1)
+    if spec.mode == "sampled":
+        ls_y = log_s.gather(-1, targets[:, None]).squeeze(-1)
+        lp_y = log_p.gather(-1, targets[:, None]).squeeze(-1)
+        return -(lp_y - ls_y).detach() * ls_y
+    return clip_rows(pointwise(log_s, log_p, spec.beta), spec.clip_mode, spec.clip)
+
+
+def distill_loss_dense(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    weights: Tensor | None = None,
+    targets: Tensor | None = None,
+    spec: DistillSpec = DistillSpec(),
+) -> Tensor:
+    """Weighted sum of :func:`per_token_loss_dense`; a plain mean when ``weights`` is None."""
+    rows = per_token_loss_dense(student_logits, teacher_logits, targets, spec)
+    if weights is None:
+        return rows.mean()
+    keep = weights != 0  # masked rows can hold anything, even non-finite logits
+    return torch.where(keep, rows, torch.zeros_like(rows)).mul(weights.to(rows.dtype)).sum()

@@ -1,0 +1,98 @@
+"""The loss's options, declared and validated once, and the statistics it returns.
+
+Light on purpose: ``opsd.config`` imports the option tuples from here, and ``import opsd.config``
+must not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+from opsd.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+MODES = ("jsd", "topk", "sampled")
+CLIP_MODES = ("none", "entry", "token")
+REDUCTIONS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class DistillSpec:
+    """What to compute: divergence ``mode``, mixture ``beta``, ``temperature``, clipping, top-k, reduction.
+
+    ``reduction`` is how the caller normalizes per-token weights (``token``: every response token of
+    the optimizer step weighs the same; ``sequence``: each sequence averages its tokens first); the
+    loss functions take the weights themselves. Invalid combinations raise :class:`UserError` at
+    construction, before any compute is spent; :meth:`check_vocab` adds the check that needs V.
+    """
+
+    mode: str = "jsd"
+    beta: float = 0.0
+    temperature: float = 1.0
+    clip_mode: str = "none"
+    clip: float = 0.0
+    topk: int = 0
+    reduction: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise UserError(f"loss mode must be one of {MODES}, got {self.mode!r}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise UserError(f"beta must be in [0, 1], got {self.beta}")
+        if not self.temperature > 0:
+            raise UserError(f"temperature must be > 0, got {self.temperature}")
+        if self.clip_mode not in CLIP_MODES:
+            raise UserError(f"clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
+        if self.clip_mode != "none" and not self.clip >= 0:
+            raise UserError(f"clip must be >= 0 when clip_mode={self.clip_mode!r}, got {self.clip}")
+        if self.mode == "sampled" and self.clip_mode != "none":
+            raise UserError("clip_mode must be 'none' for mode='sampled' (there is no per-entry divergence)")
+        if self.mode == "topk" and self.topk < 1:
+            raise UserError(f"topk must be >= 1 for mode='topk', got {self.topk}")
+        if self.reduction not in REDUCTIONS:
+            raise UserError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """The one check that needs the vocabulary size: top-k cannot exceed it."""
+        if self.mode == "topk" and self.topk > vocab_size:
+            raise UserError(f"topk={self.topk} exceeds the vocabulary size V={vocab_size}")
+
+
+@dataclass
+class LossStats:
+    """Sums over tokens, so micro-batches and ranks can be added before dividing."""
+
+    tokens: float = 0.0
+    divergence: float = 0.0  # unclipped per-token divergence (sampled: log S(y) - log P(y))
+    clipped: float = 0.0  # clipped tokens (token mode) or entries (entry mode)
+    clip_total: float = 0.0  # what ``clipped`` is a fraction of
+    entropy_student: float = 0.0
+    entropy_teacher: float = 0.0
+    agree: float = 0.0  # teacher and student top-1 agree
+
+    def add(self, other: LossStats) -> LossStats:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+    def as_tensor(self) -> Tensor:
+        import torch
+
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, t: Tensor) -> LossStats:
+        return cls(*[float(x) for x in t.tolist()])
+
+    def means(self) -> dict[str, float]:
+        n = max(self.tokens, 1.0)
+        return {
+            "divergence": self.divergence / n,
+            "clip_frac": self.clipped / max(self.clip_total, 1.0),
+            "entropy_student": self.entropy_student / n,
+            "entropy_teacher": self.entropy_teacher / n,
+            "agreement": self.agree / n,
+        }

@@ -1,0 +1,33 @@
+"""The optimizer and the learning-rate schedule, shared by `opsd train` and `opsd sft`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
+    """Multiplier of the base LR at ``step`` (0-based): linear warmup over ``warmup`` steps, then
+    ``constant`` or a ``cosine`` decay from 1 to ``min_ratio`` over the remaining ``total - warmup``."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(
+    params: list[nn.Parameter], *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+    weight_decay: float = 0.0, warmup: int = 0, total: int, schedule: str = "constant", min_ratio: float = 0.0,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``params`` and its schedule (:func:`lr_factor`), stepped once per optimizer step."""
+    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, warmup=warmup, total=total, schedule=schedule, min_ratio=min_ratio)
+    )
+    return opt, sched

@@ -1,0 +1,399 @@
+"""opsd.distributed on CPU: gloo process groups the tests spawn themselves, FSDP2 on a tiny model.
+
+Each spawned test pays for two fresh interpreters importing torch and transformers, so one spawn
+checks several things. Workers set torchrun's variables and go through ``init_distributed``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from opsd import distributed as D
+from opsd.errors import UserError
+
+SPEC_KW = {"mode": "jsd", "beta": 0.5}
+LR = 1e-2
+
+
+# --- harness ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    d = D.init_distributed("cpu")
+    try:
+        fn(d, *args)
+    finally:
+        D.shutdown()
+
+
+def _spawn(fn, *args, world: int = 2) -> None:
+    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+
+
+# --- a tiny model, data and one OPSD step (shared by the reference and the sharded run) ------------
+
+
+def _tiny():
+    try:
+        from opsd.tiny import build_tiny_model, build_tiny_tokenizer
+    except ImportError:
+        from opsd.models import build_tiny_model, build_tiny_tokenizer
+    return build_tiny_model, build_tiny_tokenizer
+
+
+def _model(variant: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``lora``: adapters on q/v with gradient checkpointing; ``full``: every weight, head tied to the embedding."""
+    from opsd.models import apply_lora, enable_gradient_checkpointing
+
+    build_model, build_tok = _tiny()
+    model = build_model(build_tok(), hidden_size=32, num_layers=2, seed=seed).to(dtype)
+    if variant == "full":
+        model.lm_head.weight = model.model.embed_tokens.weight
+        model.config.tie_word_embeddings = True
+        return model.train()
+    enable_gradient_checkpointing(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        return apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"],
+                          gradient_checkpointing=True)
+
+
+def _fresh(variant: str) -> torch.nn.Module:
+    """A model whose trainable weights differ from ``_model(variant)``'s (a load must overwrite them);
+    LoRA keeps the same frozen base, which checkpoints do not hold."""
+    model = _model(variant, seed=0 if variant == "lora" else 9)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.5)
+    return model
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+
+
+def _samples(step: int, rank: int, n: int) -> list:
+    from opsd.data.batching import make_sample
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for i in range(n):
+        p, r = int(torch.randint(3, 7, (1,), generator=g)), int(torch.randint(2, 7, (1,), generator=g))
+        ids = torch.randint(5, 500, (p + 4 + r,), generator=g).tolist()
+        out.append(make_sample(ids[:p], ids[p: p + 4], ids[p + 4:], i, "stop"))
+    return out
+
+
+def _microbatches(samples: list, global_tokens: float, global_seqs: float) -> list:
+    from opsd.data.batching import make_microbatches
+
+    return make_microbatches(samples, max_tokens=1, pad_id=0, reduction="token", global_tokens=global_tokens,
+                             global_seqs=global_seqs, device="cpu")
+
+
+def _loss(sh, sw, th, tw, weights, targets):
+    from opsd.loss import DistillSpec, fused_linear_distill
+
+    return fused_linear_distill(sh, sw, th, tw, weights, targets, DistillSpec(**SPEC_KW))[0]
+
+
+def _accumulate(model, teacher, mbs: list) -> None:
+    """Per micro-batch: teacher (adapter off, or the frozen copy), student, fused loss, backward."""
+    for mb in mbs:
+        with torch.no_grad():
+            if teacher is None:
+                with model.disable_adapter():
+                    th = D.forward_hidden(model, mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
+                    tw = D.full_head_weight(model).detach()
+            else:
+                th = D.forward_hidden(teacher, mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
+                tw = D.full_head_weight(teacher)
+        sh = D.forward_hidden(model, mb.student_ids, mb.student_mask, mb.student_pos)
+        _loss(sh, D.full_head_weight(model), th, tw, mb.weights, mb.targets).backward()
+        if teacher is not None:
+            D.reshard(teacher)
+
+
+def _trainable(model) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _step(model, teacher, opt, mbs: list) -> float:
+    """One optimizer step; returns the gradient norm (no clipping at these norms: AdamW would hide it)."""
+    _accumulate(model, teacher, mbs)
+    norm = D.clip_grad_norm(_trainable(model), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+# per step: how many samples each of the two ranks draws (uneven, then one rank with none)
+PLAN = [(2, 1), (2, 0)]
+
+
+def _rank_batches(step: int, rank: int, counts: tuple[int, int]) -> list:
+    """This rank's micro-batches for ``step``, weighted by the global (all-rank) token count."""
+    mine = _samples(step, rank, counts[rank])
+    totals = D.all_reduce_sum(torch.tensor([sum(s.response_len for s in mine), len(mine)], dtype=torch.float64))
+    return D.pad_microbatches(_microbatches(mine, *totals.tolist()), pad_id=0, device="cpu")
+
+
+def _union_batches(step: int, counts: tuple[int, int]) -> list:
+    union = [s for r, n in enumerate(counts) for s in _samples(step, r, n)]
+    return _microbatches(union, sum(s.response_len for s in union), len(union))
+
+
+def _run_equivalence(d: D.Dist, variant: str) -> None:
+    torch.manual_seed(0)
+    model = _model(variant)
+    teacher = None
+    if variant == "full":
+        import copy
+
+        teacher = copy.deepcopy(model).requires_grad_(False).eval()
+        D.shard_model(teacher, d.mesh, param_dtype=None)
+    D.shard_model(model, d.mesh, param_dtype=None)
+    opt = _optimizer(model)
+    norms = []
+    for step, counts in enumerate(PLAN):
+        mbs = _rank_batches(step, d.rank, counts)
+        assert len(mbs) == max(1, counts[0]), "padding did not bring both ranks to the same count"
+        norms.append(_step(model, teacher, opt, mbs))
+    got = D.gather_full_state_dict(model)
+    got_teacher = D.gather_full_state_dict(teacher) if teacher is not None else None
+    if d.rank != 0:
+        return
+    ref = _model(variant)
+    initial = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_teacher = None
+    if variant == "full":
+        import copy
+
+        ref_teacher = copy.deepcopy(ref).requires_grad_(False).eval()
+    ref_opt = _optimizer(ref)
+    ref_norms = [_step(ref, ref_teacher, ref_opt, _union_batches(step, counts)) for step, counts in enumerate(PLAN)]
+    want = ref.state_dict()
+    assert got.keys() == want.keys()
+    changed = 0
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{variant} {k}: {m}")
+        changed += not torch.equal(want[k], initial[k])
+    assert changed >= (2 if variant == "full" else 4), "the step changed too few tensors to test anything"
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    if got_teacher is not None:  # the fixed teacher copy never moved
+        for k, v in got_teacher.items():
+            assert torch.equal(v, initial[k]), k
+
+
+def _bf16_lora_step(d: D.Dist) -> None:
+    """bf16 base weights, fp32 adapters (peft's default), bf16 compute, fp32 reduction: gradients reach
+    the fp32 adapters although the first forward of the step is the adapter-disabled teacher's."""
+    model = D.shard_model(_model("lora", dtype=torch.bfloat16), d.mesh, param_dtype=torch.bfloat16)
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert lora and all(p.dtype == torch.float32 for p in lora.values())
+    before = {n: p.detach().full_tensor().clone() for n, p in lora.items()}
+    _accumulate(model, None, _rank_batches(0, d.rank, PLAN[0]))
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora.values())
+    norm = float(D.clip_grad_norm(_trainable(model), 1e-6))  # clipping the sharded gradients
+    assert 1e-6 < norm < float("inf")
+    assert abs(float(D.clip_grad_norm(_trainable(model), float("inf"))) - 1e-6) < 1e-9
+    _optimizer(model).step()
+    assert any(not torch.equal(p.detach().full_tensor(), before[n]) for n, p in lora.items())
+
+
+def _equivalence_worker(d: D.Dist) -> None:
+    for variant in ("lora", "full"):
+        _run_equivalence(d, variant)
+    _bf16_lora_step(d)
+
+
+def test_two_rank_fsdp_steps_equal_one_rank_on_the_union_batch():
+    """LoRA (+ gradient checkpointing) and full fine-tuning with a tied head and a sharded frozen teacher:
+    two AdamW steps on 2 ranks, with uneven micro-batch counts and then a rank with no samples, give the
+    parameters and gradient norms of 1 process on the union batches (fp32, 1e-5 relative). Then a bf16
+    LoRA step runs."""
+    _spawn(_equivalence_worker)
+
+
+# --- distributed checkpoints: 1 -> 2 -> 2 and 2 -> 1 ------------------------------------------------
+
+
+def _full_state(model, opt) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    if not D.is_sharded(model):
+        return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "optim": get_state_dict(model, opt)[1]}
+    m, o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": m, "optim": o}
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    torch.testing.assert_close(got["model"], want["model"], rtol=0, atol=0)
+    assert got["optim"]["state"].keys() == want["optim"]["state"].keys() and want["optim"]["state"]
+    torch.testing.assert_close(got["optim"]["state"], want["optim"]["state"], rtol=0, atol=0)
+
+
+def _dcp_worker(d: D.Dist, root: str) -> None:
+    from opsd.checkpoint import rng_state
+
+    root_p = Path(root)
+    for variant in ("lora", "full"):
+        # 1 -> 2: a checkpoint written by one process without a process group loads on two ranks.
+        model = _fresh(variant)
+        D.shard_model(model, d.mesh, param_dtype=None)
+        opt = _optimizer(model)
+        loaded = D.load_distributed(root_p / variant / "one", model, opt)
+        assert loaded.saved_world_size == 1 and loaded.shared_state["step"] == 1
+        assert (loaded.rank_state or {}).get("rank") == (0 if d.rank == 0 else None)
+        state = _full_state(model, opt)
+        if d.rank == 0:
+            _assert_same_state(state, torch.load(root_p / variant / "one.pt", weights_only=True))
+
+        _step(model, None if variant == "lora" else _frozen_copy(d, variant), opt, _rank_batches(1, d.rank, (2, 1)))
+        D.save_distributed(root_p / variant / "two", model, opt, {"rank": d.rank, "rng": rng_state()},
+                           {"step": 2, "cursor": {"epoch": 0, "pos": [1, 2]}})
+        state = _full_state(model, opt)
+        if d.rank == 0:
+            torch.save(state, root_p / variant / "two.pt")
+
+        # 2 -> 2, into a fresh model and optimizer.
+        model = _fresh(variant)
+        D.shard_model(model, d.mesh, param_dtype=None)
+        opt = _optimizer(model)
+        loaded = D.load_distributed(root_p / variant / "two", model, opt)
+        assert loaded.rank_state["rank"] == d.rank and loaded.saved_world_size == 2
+        got = _full_state(model, opt)
+        if d.rank == 0:
+            _assert_same_state(got, state)
+
+    # A failing export on rank 0 fails the save on every rank and leaves no checkpoint behind.
+    def export(path: Path) -> None:
+        raise OSError("disk full while exporting")
+
+    with pytest.raises((OSError, D.PeerError), match="disk full while exporting"):
+        D.save_distributed(root_p / "failed", model, opt, {}, {"step": 3}, export=export)
+    assert not (root_p / "failed").exists()
+    assert d.rank != 0 or not (root_p / ".tmp-failed").exists()  # rank 0 removes it as it raises
+
+
+def _frozen_copy(d: D.Dist, variant: str):
+    teacher = _model(variant).requires_grad_(False).eval()
+    return D.shard_model(teacher, d.mesh, param_dtype=None)
+
+
+def test_distributed_checkpoint_reshards_between_one_and_two_ranks(tmp_path, no_torchrun):
+    """DCP save by 1 process (no process group) -> load on 2 ranks -> step -> save on 2 -> load on 2 and
+    on 1: identical parameters and AdamW state; per-rank state goes back to its rank; an export error
+    on rank 0 fails the save everywhere and commits nothing."""
+    from opsd.checkpoint import rng_state
+
+    for variant in ("lora", "full"):
+        model = _model(variant)
+        opt = _optimizer(model)
+        _step(model, None if variant == "lora" else _model(variant).requires_grad_(False), opt,
+              _union_batches(0, (2, 1)))
+        D.save_distributed(tmp_path / variant / "one", model, opt, {"rank": 0, "rng": rng_state()}, {"step": 1})
+        torch.save(_full_state(model, opt), tmp_path / variant / "one.pt")
+        assert not any(p.name.startswith(".tmp-") for p in (tmp_path / variant).iterdir())
+
+    _spawn(_dcp_worker, str(tmp_path))
+
+    for variant in ("lora", "full"):  # 2 -> 1
+        model = _fresh(variant)
+        opt = _optimizer(model)
+        loaded = D.load_distributed(tmp_path / variant / "two", model, opt)
+        assert loaded.rank_state["rank"] == 0 and loaded.shared_state["cursor"] == {"epoch": 0, "pos": [1, 2]}
+        _assert_same_state(_full_state(model, opt), torch.load(tmp_path / variant / "two.pt", weights_only=True))
+
+
+# --- setup errors and rank agreement ----------------------------------------------------------------
+
+
+def _agreement_worker(d: D.Dist, out: str) -> None:
+    assert d.world_size == 2 and d.device == torch.device("cpu") and d.mesh is not None
+    assert D.agree_count(3 if d.rank == 0 else 1) == 3
+    assert D.any_rank(d.rank == 1) is True and D.any_rank(False) is False
+    assert D.all_reduce_sum(torch.tensor([1.0 + d.rank], dtype=torch.float64)).item() == 3.0
+    assert len({D.rank_seed(5, 0), D.rank_seed(5, 1)}) == 2 and D.rank_seed(5, 0) == 5
+    assert D.run_setup(lambda: d.rank, "a good phase") == d.rank
+
+    def setup() -> None:
+        if d.rank == 0:
+            raise UserError("run directory runs/x already exists: pass --resume or --overwrite")
+        time.sleep(0.5)
+
+    start = time.monotonic()
+    try:
+        D.run_setup(setup, "run directory setup")
+    except Exception as err:  # noqa: BLE001 -- the test records what each rank raised
+        Path(out, f"rank{d.rank}.txt").write_text(f"{type(err).__name__}|{err}|{time.monotonic() - start:.2f}")
+
+
+def test_setup_error_on_rank0_ends_every_rank_with_its_message(tmp_path):
+    _spawn(_agreement_worker, str(tmp_path))
+    for rank in (0, 1):
+        kind, msg, secs = (tmp_path / f"rank{rank}.txt").read_text().split("|")
+        assert kind == "UserError" and "runs/x already exists" in msg, (rank, kind, msg)
+        assert float(secs) < 10
+    assert "rank 0 failed during run directory setup" in (tmp_path / "rank1.txt").read_text()
+
+
+def test_one_process_without_torchrun_is_unchanged(no_torchrun, tiny_tokenizer):
+    d = D.init_distributed("cpu")
+    assert (d.rank, d.world_size, d.is_main, d.mesh, d.device) == (0, 1, True, None, torch.device("cpu"))
+    assert not torch.distributed.is_initialized()
+    assert D.agree_count(4) == 4 and D.any_rank(True) and not D.any_rank(False)
+    t = torch.tensor([2.0])
+    assert D.all_reduce_sum(t) is t and t.item() == 2.0
+    with pytest.raises(UserError, match="bad key"):
+        D.run_setup(lambda: (_ for _ in ()).throw(UserError("bad key")))
+
+    from opsd.models import final_hidden, head_weight
+
+    build_model, _ = _tiny()
+    model = build_model(tiny_tokenizer, hidden_size=32, num_layers=1)
+    ids, mask, pos = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), torch.tensor([1])
+    assert torch.equal(D.forward_hidden(model, ids, mask, pos), final_hidden(model, ids, mask, pos))
+    assert D.full_head_weight(model) is head_weight(model)
+
+
+def test_partial_torchrun_environment_is_a_user_error(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    for k in ("LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(UserError, match="incomplete"):
+        D.init_distributed("cpu")
+
+
+def test_checkpoint_extra_state_must_be_plain_data(tmp_path, no_torchrun, tiny_tokenizer):
+    build_model, _ = _tiny()
+    model = build_model(tiny_tokenizer, hidden_size=32, num_layers=1)
+    with pytest.raises(TypeError, match="shared_state must hold only tensors and plain data"):
+        D.save_distributed(tmp_path / "step_000001", model, None, {}, {"bad": object()})
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(UserError, match="not a distributed checkpoint"):
+        D.load_distributed(tmp_path / "missing", model, None)

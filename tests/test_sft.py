@@ -1,0 +1,91 @@
+"""`opsd sft`: the shared optimizer and schedule, the YAML + overrides dialect, and one-line user errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import opsd.sft
+from opsd.cli import main
+from opsd.optim import lr_factor
+
+ROWS = [{"problem": f"What is {i} + {i}?", "solution": f"{i} + {i} = {2 * i}"} for i in range(6)]
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path: Path, tiny_model, tiny_tokenizer) -> Path:
+    d = tmp_path / "tiny"
+    tiny_model.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def _data(tmp_path: Path, rows: list[dict] = ROWS) -> Path:
+    path = tmp_path / "sft.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_sft_follows_the_shared_schedule(tiny_model, tiny_tokenizer, monkeypatch) -> None:
+    """The LR at each step is opsd.optim.lr_factor's: one schedule for `opsd train` and `opsd sft`."""
+    eos = [tiny_tokenizer.eos_token_id]
+    pairs = [(tiny_tokenizer.encode("1+1="), tiny_tokenizer.encode("2") + eos)]
+    lrs = []
+    opt_holder = {}
+    real = opsd.sft.make_optimizer
+
+    def spy(params, **kw):
+        opt_holder["opt"], sched = real(params, **kw)
+        return opt_holder["opt"], sched
+
+    monkeypatch.setattr(opsd.sft, "make_optimizer", spy)
+    losses = opsd.sft.sft(
+        tiny_model,
+        pairs,
+        steps=8,
+        lr=1e-2,
+        batch_size=2,
+        warmup=3,
+        progress=False,
+        callback=lambda step, loss: lrs.append(opt_holder["opt"].param_groups[0]["lr"]),
+    )
+    # after step s the scheduler has moved to s: the LR the next step will use
+    assert lrs == pytest.approx(
+        [1e-2 * lr_factor(s, warmup=3, total=8, schedule="cosine") for s in range(1, 9)]
+    )
+    assert losses[-1] < losses[0]
+
+
+def test_cli_config_overrides_and_flags(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    cfg = tmp_path / "sft.yaml"
+    out = tmp_path / "out"
+    cfg.write_text(f"model:\n  path: {tiny_model_dir}\ndata:\n  path: {_data(tmp_path)}\n  instruction: ''\n")
+    argv = ["sft", "--config", str(cfg), "--out", str(out), "optim.max_steps=2", "optim.batch_size=2"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "6 rows, 2 steps" in printed and (out / "config.json").is_file()
+
+
+def _cli_error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    base = ["sft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "out")]
+    missing = str(tmp_path / "missing.jsonl")
+    assert missing in _cli_error(capsys, [*base, "--data", missing])
+    no_solution = _data(tmp_path, [{"problem": "a", "answer": "1"}])
+    assert "'solution'" in _cli_error(capsys, [*base, "--data", str(no_solution)])
+    assert "optim.lrr" in _cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "optim.lrr=1"])
+    assert "no_such_model" in _cli_error(
+        capsys,
+        ["sft", "--model", str(tmp_path / "no_such_model"), "--data", str(_data(tmp_path)), "--out", "x"],
+    )
+    assert "out" in _cli_error(
+        capsys, ["sft", "--model", str(tiny_model_dir), "--data", str(_data(tmp_path))]
+    )
