@@ -94,7 +94,7 @@ def render(rows: list[tuple[dict, dict]], started: str) -> str:
     lines = [
         f"Run {started}. Machine: {machine()}.",
         "",
-        f"Defaults of `opsd demo`: {s['digits']}-digit addition, Llama {s['layers']}x{s['hidden']}, base model "
+        f"Defaults of `opsd demo` (docs/demo.md): {s['digits']}-digit addition, Llama {s['layers']}x{s['hidden']}, base model "
         f"{s['sft_steps']} SFT steps ({int(100 * s['sft_teacher_frac'])}% of rows with the worked solution in "
         f"context); OPSD {s['opsd_steps']} steps, {s['prompts_per_step']} problems/step, lr {s['opsd_lr']}, "
         f"fixed teacher, forward KL; held-out accuracy on {s['n_heldout']} problems, greedy, exact final answer. "

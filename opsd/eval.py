@@ -326,7 +326,7 @@ def evaluate(
     )
     examples = report.examples[:limit] if limit is not None else report.examples
     # Every tokenizer first: a typo in the last model path fails before hours of generating for the first.
-    tokenizers = [_as_user_error(load_tokenizer, m) for m in models]
+    tokenizers = [load_tokenizer(m) for m in models]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
 
@@ -336,8 +336,7 @@ def evaluate(
     results: dict[str, EvalResult] = {}
     for name, label, tok in zip(models, _labels(models), tokenizers, strict=True):
         # vLLM loads its own copy from the path; the HF copy on CPU only feeds the initial weight sync.
-        hf_model = _as_user_error(
-            load_model,
+        hf_model = load_model(
             name,
             dtype="bfloat16" if engine == "vllm" else dtype,
             device="cpu" if engine == "vllm" else device,
@@ -395,14 +394,6 @@ def evaluate(
         }
         (Path(out_dir) / "summary.json").write_text(json.dumps(combined, indent=2, ensure_ascii=False) + "\n")
     return results
-
-
-def _as_user_error(load: Any, name: str, **kw: Any) -> Any:
-    """``load(name, **kw)``, with a model that cannot be found or read reported as the user's mistake."""
-    try:
-        return load(name, **kw)
-    except (OSError, ValueError) as e:  # FileNotFoundError is an OSError; UserError a ValueError
-        raise UserError(" ".join(str(e).split())) from e
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 # Phases of a step, in order; each is timed into "time_<phase>" (seconds).
 PHASES = ("rollout", "teacher", "student", "loss", "optim")
@@ -72,6 +74,25 @@ def step_record(
     }
     assert tuple(rec) == STEP_KEYS
     return rec
+
+
+def format_step_line(rec: dict) -> str:
+    """The one console line per step (beside the progress bar)."""
+    line = (f"step {rec['step']:>5} | loss {rec['loss']:.4f} | div {rec['divergence']:.4f} | "
+            f"clip {rec['clip_frac']:.3f} | agree {rec['agreement']:.3f} | len {rec['resp_len_mean']:.0f} | "
+            f"{rec['tokens_per_s']:.0f} tok/s | {rec['time_step']:.1f}s")
+    evals = [f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/")]
+    return line + (" | " + " ".join(evals) if evals else "")
+
+
+def write_samples(path: Path, step: int, examples: list, responses: list[str], finish_reasons: list[str]) -> None:
+    """Append decoded responses to ``samples.jsonl``; print the first one."""
+    with path.open("a") as f:
+        for ex, response, reason in zip(examples, responses, finish_reasons):
+            f.write(json.dumps({"step": step, "problem": ex.problem, "answer": ex.answer,
+                                "response": response, "finish_reason": reason}) + "\n")
+    if responses:
+        tqdm.write(f"  sample | {str(examples[0].problem)[:100]!r} -> {responses[0][:200]!r}", file=sys.stderr)
 
 
 class StepTimer:

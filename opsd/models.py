@@ -307,3 +307,13 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
                 raise NotImplementedError(f"{name}: merging a DoRA adapter out of place is not supported")
             sd[key] = sd[key] + mod.get_delta_weight(adapter).detach().to(sd[key].dtype)
     return sd
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when there is one; asking for CUDA without one is a user error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        build = "a CPU-only torch build" if torch.version.cuda is None else "no visible CUDA device"
+        raise UserError(f"device={device}: this machine has {build}; use device=cpu or device=auto")
+    return torch.device(device)

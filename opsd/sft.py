@@ -211,15 +211,15 @@ def sft_pairs_from_examples(
 def run_sft(args: argparse.Namespace) -> int:
     from opsd.config import load_config
     from opsd.data import load_examples
-    from opsd.eval import _as_user_error, flag_overrides
+    from opsd.eval import flag_overrides
     from opsd.models import load_model, load_tokenizer
 
     cfg = load_config(args.config, [*flag_overrides(args, SFT_FLAGS), *args.overrides], schema=SFTConfig)
     d, o = cfg.data, cfg.optim
     rep = load_examples(d.path, problem_key=d.problem_key, solution_key=d.solution_key, split=d.split)
-    tok = _as_user_error(load_tokenizer, cfg.model.path)
+    tok = load_tokenizer(cfg.model.path)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model = _as_user_error(load_model, cfg.model.path, dtype=cfg.model.dtype, device=device)
+    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
     pairs = sft_pairs_from_examples(
         tok, rep.examples, instruction=d.instruction, enable_thinking=d.student_thinking, max_len=d.max_len
     )

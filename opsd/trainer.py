@@ -21,20 +21,19 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from opsd.checkpoint import (
-    clean_partial,
-    latest_checkpoint,
-    load_model_weights,
-    load_state,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from opsd import checkpoint
 from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.errors import TrainingError, UserError
 from opsd.loss import LossStats, fused_linear_distill
-from opsd.metrics import MetricsWriter, StepTimer, peak_memory_gb, step_record
+from opsd.metrics import (
+    MetricsWriter,
+    StepTimer,
+    format_step_line,
+    peak_memory_gb,
+    step_record,
+    write_samples,
+)
 from opsd.models import (
     apply_lora,
     check_plain_head,
@@ -43,6 +42,7 @@ from opsd.models import (
     head_weight,
     load_model,
     load_tokenizer,
+    resolve_device,
 )
 from opsd.optim import make_optimizer
 from opsd.rollout import SamplingParams, make_engine
@@ -65,16 +65,6 @@ def _all_reduce_sum(x: Tensor) -> Tensor:
     return x
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` picks CUDA when there is one; asking for CUDA without one is a user error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        build = "a CPU-only torch build" if torch.version.cuda is None else "no visible CUDA device"
-        raise UserError(f"device={device}: this machine has {build}; use device=cpu or device=auto")
-    return torch.device(device)
-
-
 class Trainer:
     """Builds everything from a :class:`Config`, then ``train()``.
 
@@ -90,8 +80,8 @@ class Trainer:
         self.device = resolve_device(cfg.device)
         if self.rank == 0:
             prepare_run_dir(self.run_dir, resume=resume, overwrite=overwrite,
-                            has_checkpoint=latest_checkpoint(self.run_dir) is not None)
-            clean_partial(self.run_dir)
+                            has_checkpoint=checkpoint.latest_checkpoint(self.run_dir) is not None)
+            checkpoint.clean_partial(self.run_dir)
         if self.world > 1:
             dist.barrier()
         torch.manual_seed(cfg.seed)
@@ -144,7 +134,7 @@ class Trainer:
         self.bad_steps = 0
         self.stop = GracefulStop()
 
-        if resume and latest_checkpoint(self.run_dir) is not None:
+        if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
         if self.rank == 0:
             record_config(self.run_dir, cfg.model_dump(mode="json"), resume=resume)
@@ -280,7 +270,7 @@ class Trainer:
                         raise TrainingError(
                             f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (limit "
                             f"optim.max_bad_steps={cfg.optim.max_bad_steps}); stopping. Last good checkpoint: "
-                            f"{latest_checkpoint(self.run_dir) or 'none yet'}. Try a lower optim.lr, loss.clip, "
+                            f"{checkpoint.latest_checkpoint(self.run_dir) or 'none yet'}. Try a lower optim.lr, loss.clip, "
                             "or model.dtype=float32."
                         )
                     every = cfg.checkpoint.every if cfg.checkpoint.enabled else 0
@@ -309,25 +299,13 @@ class Trainer:
         self.metrics.write(rec)
         bar.update(1)
         bar.set_postfix(loss=f"{rec['loss']:.4f}", div=f"{rec['divergence']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-        line = (f"step {rec['step']:>5} | loss {rec['loss']:.4f} | div {rec['divergence']:.4f} | "
-                f"clip {rec['clip_frac']:.3f} | agree {rec['agreement']:.3f} | len {rec['resp_len_mean']:.0f} | "
-                f"{rec['tokens_per_s']:.0f} tok/s | {rec['time_step']:.1f}s")
-        if any(k.startswith("eval/") for k in rec):
-            line += " | " + " ".join(f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/"))
-        tqdm.write(line, file=sys.stderr)
+        tqdm.write(format_step_line(rec), file=sys.stderr)
         if self.cfg.logging.sample_every and rec["step"] % self.cfg.logging.sample_every == 0:
-            self._log_samples(rec["step"])
-
-    def _log_samples(self, step: int) -> None:
-        completions, ex_idx = self._last
-        with (self.run_dir / "samples.jsonl").open("a") as f:
-            for i, c in enumerate(completions[: self.cfg.logging.num_samples]):
-                ex = self.examples[ex_idx[c.prompt_index]]
-                response = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                f.write(json.dumps({"step": step, "problem": ex.problem, "answer": ex.answer,
-                                    "response": response, "finish_reason": c.finish_reason}) + "\n")
-                if i == 0:
-                    tqdm.write(f"  sample | {str(ex.problem)[:100]!r} -> {response[:200]!r}", file=sys.stderr)
+            completions, ex_idx = self._last
+            shown = completions[: self.cfg.logging.num_samples]
+            write_samples(self.run_dir / "samples.jsonl", rec["step"], [self.examples[ex_idx[c.prompt_index]] for c in shown],
+                          [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in shown],
+                          [c.finish_reason for c in shown])
 
     def evaluate(self) -> dict:
         """Held-out accuracy of the live model, without privileged information."""
@@ -371,23 +349,23 @@ class Trainer:
             "teacher": self.teacher.state_dict(),
             "cursor": self.cursor.state_dict(),
             "truncated": self.prompts.state_dict(),
-            "rng": rng_state(),
+            "rng": checkpoint.rng_state(),
         }
-        return save_checkpoint(
+        return checkpoint.save_checkpoint(
             self.run_dir, self.step_num, self.model, self.tokenizer, state,
             keep_last=self.cfg.checkpoint.keep_last, save_merged=self.cfg.checkpoint.save_merged,
         )
 
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.run_dir)
-        state = load_state(ckpt)
-        load_model_weights(self.model, ckpt / "model", lora=self.cfg.model.lora.enabled)
+        ckpt = checkpoint.latest_checkpoint(self.run_dir)
+        state = checkpoint.load_state(ckpt)
+        checkpoint.load_model_weights(self.model, ckpt / "model", lora=self.cfg.model.lora.enabled)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.teacher.load_state_dict(state["teacher"])
         self.cursor.load_state_dict(state["cursor"])
         self.prompts.load_state_dict(state["truncated"])
         self.step_num, self.bad_steps = state["step"], state["bad_steps"]
-        set_rng_state(state["rng"])
+        checkpoint.set_rng_state(state["rng"])
         self.engine.sync_weights(self.model)
         print(f"resumed from {ckpt} at step {self.step_num}", file=sys.stderr)

@@ -141,9 +141,20 @@ def _trainable(model) -> list:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def _step(model, teacher, opt, mbs: list) -> float:
-    """One optimizer step; returns the gradient norm (no clipping at these norms: AdamW would hide it)."""
+def _full_grads(model) -> dict:
+    """Every trainable parameter's whole gradient (collective when sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+            for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _step(model, teacher, opt, mbs: list, grads: list | None = None) -> float:
+    """One optimizer step; returns the gradient norm (no clipping at these norms) and appends the
+    gradients to ``grads`` if given."""
     _accumulate(model, teacher, mbs)
+    if grads is not None:
+        grads.append(_full_grads(model))
     norm = D.clip_grad_norm(_trainable(model), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -177,11 +188,11 @@ def _run_equivalence(d: D.Dist, variant: str) -> None:
         D.shard_model(teacher, d.mesh, param_dtype=None)
     D.shard_model(model, d.mesh, param_dtype=None)
     opt = _optimizer(model)
-    norms = []
+    norms, grads = [], []
     for step, counts in enumerate(PLAN):
         mbs = _rank_batches(step, d.rank, counts)
         assert len(mbs) == max(1, counts[0]), "padding did not bring both ranks to the same count"
-        norms.append(_step(model, teacher, opt, mbs))
+        norms.append(_step(model, teacher, opt, mbs, grads))
     got = D.gather_full_state_dict(model)
     got_teacher = D.gather_full_state_dict(teacher) if teacher is not None else None
     if d.rank != 0:
@@ -194,7 +205,17 @@ def _run_equivalence(d: D.Dist, variant: str) -> None:
 
         ref_teacher = copy.deepcopy(ref).requires_grad_(False).eval()
     ref_opt = _optimizer(ref)
-    ref_norms = [_step(ref, ref_teacher, ref_opt, _union_batches(step, counts)) for step, counts in enumerate(PLAN)]
+    ref_grads: list = []
+    ref_norms = [_step(ref, ref_teacher, ref_opt, _union_batches(step, counts), ref_grads)
+                 for step, counts in enumerate(PLAN)]
+    if variant == "full":  # the tied head's gradient (the loss's and the embedding's, summed over ranks)
+        assert ref.lm_head.weight is ref.model.embed_tokens.weight and "model.embed_tokens.weight" in grads[0]
+    for step, (g, w) in enumerate(zip(grads, ref_grads)):
+        assert g.keys() == w.keys()
+        for k in w:
+            scale = float(w[k].abs().max())
+            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-5 * scale,
+                                       msg=lambda m, k=k, step=step: f"{variant} step {step} grad {k}: {m}")
     want = ref.state_dict()
     assert got.keys() == want.keys()
     changed = 0
