@@ -13,7 +13,8 @@ bf16 compute, sdpa attention. Setups:
 Per setup: one warm-up step, then the mean over measured steps of each phase (teacher forward,
 student forward, fused loss, backward, optimizer incl. clipping) and the peak GPU memory. Then
 ``fused_linear_distill`` alone, forward+backward (student head trainable), at 4k and 16k response
-tokens. Writes the "GPU step" section of docs/benchmarks.md. Takes about 2-4 minutes on an H100-class GPU.
+tokens. Writes the "GPU step" section of docs/benchmarks.md. Must finish within 8 minutes: no setup
+starts after 7 (the table then says which were skipped).
 
     python bench/gpu_step.py            # CUDA only; on a machine without CUDA it says so and exits
     python bench/gpu_step.py --tiny     # a tiny config on any device: checks the script itself
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import platform
 import socket
@@ -42,15 +44,23 @@ BUDGET_S = 7 * 60  # stop starting new setups after this (the issue's limit is 8
 
 # Qwen3-1.7B (Qwen/Qwen3-1.7B config.json), random weights.
 QWEN3_1P7B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6, tie_word_embeddings=True,
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
 )
-TINY = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6, tie_word_embeddings=True,
-)
+TINY = {  # the same architecture, small enough for a CPU
+    **QWEN3_1P7B,
+    **dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    **dict(num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
+}
 LENGTHS = {"prompt": 200, "teacher_prompt": 700, "response": 1024}
 TINY_LENGTHS = {"prompt": 20, "teacher_prompt": 70, "response": 64}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -65,8 +75,14 @@ def _setup_process_group(device: str) -> object:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-                          WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+        )
     return init_distributed(device)
 
 
@@ -86,12 +102,23 @@ def _microbatches(n_samples: int, per_mb: int, lengths: dict, vocab: int, device
     g = torch.Generator().manual_seed(0)
     samples = []
     for i in range(n_samples):
-        ids = torch.randint(10, vocab, (lengths["teacher_prompt"] + lengths["response"],), generator=g).tolist()
-        resp = ids[lengths["teacher_prompt"]:]
-        samples.append(make_sample(ids[: lengths["prompt"]], ids[: lengths["teacher_prompt"]], resp, i, "length"))
+        ids = torch.randint(
+            10, vocab, (lengths["teacher_prompt"] + lengths["response"],), generator=g
+        ).tolist()
+        resp = ids[lengths["teacher_prompt"] :]
+        samples.append(
+            make_sample(ids[: lengths["prompt"]], ids[: lengths["teacher_prompt"]], resp, i, "length")
+        )
     longest = lengths["teacher_prompt"] + lengths["response"]
-    return make_microbatches(samples, max_tokens=per_mb * longest, pad_id=0, reduction="token",
-                             global_tokens=n_samples * lengths["response"], global_seqs=n_samples, device=device)
+    return make_microbatches(
+        samples,
+        max_tokens=per_mb * longest,
+        pad_id=0,
+        reduction="token",
+        global_tokens=n_samples * lengths["response"],
+        global_seqs=n_samples,
+        device=device,
+    )
 
 
 def _step(model, teacher, opt, mbs: list, spec, timer) -> None:
@@ -111,7 +138,9 @@ def _step(model, teacher, opt, mbs: list, spec, timer) -> None:
         with timer("student fwd"):
             sh = D.forward_hidden(model, mb.student_ids, mb.student_mask, mb.student_pos)
         with timer("loss"):
-            loss, _ = fused_linear_distill(sh, D.full_head_weight(model), th, tw, mb.weights, mb.targets, spec)
+            loss, _ = fused_linear_distill(
+                sh, D.full_head_weight(model), th, tw, mb.weights, mb.targets, spec
+            )
         with timer("backward"):
             loss.backward()
         if teacher is not None:
@@ -137,8 +166,14 @@ def _build(setup: str, shape: dict, dist, gradient_checkpointing: bool):
         model = _model(shape, dev, bf16)
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        model = apply_lora(model, r=64, alpha=128, dropout=0.0, target_modules=LORA_TARGETS,
-                           gradient_checkpointing=gradient_checkpointing)
+        model = apply_lora(
+            model,
+            r=64,
+            alpha=128,
+            dropout=0.0,
+            target_modules=LORA_TARGETS,
+            gradient_checkpointing=gradient_checkpointing,
+        )
         teacher = None
         if setup == "lora fsdp":
             D.shard_model(model, dist.mesh, param_dtype=bf16)
@@ -155,7 +190,9 @@ def _build(setup: str, shape: dict, dist, gradient_checkpointing: bool):
     return model, teacher, opt
 
 
-def bench_steps(setup: str, shape: dict, lengths: dict, dist, steps: int, gradient_checkpointing: bool) -> dict:
+def bench_steps(
+    setup: str, shape: dict, lengths: dict, dist, steps: int, gradient_checkpointing: bool
+) -> dict:
     from opsd.loss import DistillSpec
     from opsd.metrics import StepTimer
 
@@ -177,10 +214,17 @@ def bench_steps(setup: str, shape: dict, lengths: dict, dist, steps: int, gradie
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     peak = _gb(dev)
     del model, teacher, opt, mbs
+    gc.collect()  # sharded models hold a reference cycle (their registered forward method)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return {"setup": setup, "build_s": build_s, "trainable": trainable, "peak_gb": peak,
-            "tokens": 8 * lengths["response"], **{k: statistics.mean(r[k] for r in runs) for k in (*PHASES, "step")}}
+    return {
+        "setup": setup,
+        "build_s": build_s,
+        "trainable": trainable,
+        "peak_gb": peak,
+        "tokens": 8 * lengths["response"],
+        **{k: statistics.mean(r[k] for r in runs) for k in (*PHASES, "step")},
+    }
 
 
 def bench_loss(n_tokens: int, shape: dict, device: torch.device, reps: int) -> dict:
@@ -222,36 +266,51 @@ def _fmt_gb(x: float | None) -> str:
 
 
 def render(rows: list[dict], loss_rows: list[dict], env: str, notes: list[str]) -> str:
-    out = [env, "",
-           "| setup | trainable params | build s | step s | teacher fwd s | student fwd s | fused loss s | "
-           "backward s | optimizer s | response tok/s | peak GPU GB |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        env,
+        "",
+        "| setup | trainable params | build s | step s | teacher fwd s | student fwd s | fused loss s | "
+        "backward s | optimizer s | response tok/s | peak GPU GB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         out.append(
             f"| {r['setup']} | {r['trainable'] / 1e6:.1f}M | {r['build_s']:.0f} | {r['step']:.2f} | {r['teacher']:.2f} | "
             f"{r['student fwd']:.2f} | {r['loss']:.2f} | {r['backward']:.2f} | {r['optimizer']:.2f} | "
             f"{r['tokens'] / r['step']:.0f} | {_fmt_gb(r['peak_gb'])} |"
         )
-    out += ["", "Fused loss alone (`fused_linear_distill`, forward KL + entry clip, forward+backward, "
-            "student head trainable, bf16 inputs, fp32 chunks):", "",
-            "| response tokens | s | tokens/s | extra GPU GB over inputs |", "|---:|---:|---:|---:|"]
+    out += [
+        "",
+        "Fused loss alone (`fused_linear_distill`, forward KL + entry clip, forward+backward, "
+        "student head trainable, bf16 inputs, fp32 chunks):",
+        "",
+        "| response tokens | s | tokens/s | extra GPU GB over inputs |",
+        "|---:|---:|---:|---:|",
+    ]
     for r in loss_rows:
-        out.append(f"| {r['tokens']} | {r['s']:.3f} | {r['tokens'] / r['s']:.0f} | {_fmt_gb(r['extra_gb'])} |")
+        out.append(
+            f"| {r['tokens']} | {r['s']:.3f} | {r['tokens'] / r['s']:.0f} | {_fmt_gb(r['extra_gb'])} |"
+        )
     out += ["", *notes, "", "Reproduce: `python bench/gpu_step.py` (one CUDA GPU; no download)."]
     return "\n".join(out)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="a tiny config on any device, to check the script (no write)")
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny config on any device, to check the script (no write)"
+    )
     ap.add_argument("--steps", type=int, default=2, help="measured steps per setup (after one warm-up)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available() and not args.tiny:
-        print("bench/gpu_step.py needs a CUDA GPU (none visible); `--tiny` runs a tiny config on the CPU "
-              "to check the script", file=sys.stderr)
+        print(
+            "bench/gpu_step.py needs a CUDA GPU (none visible); `--tiny` runs a tiny config on the CPU "
+            "to check the script",
+            file=sys.stderr,
+        )
         return 0
     start = time.perf_counter()
     shape, lengths = (TINY, TINY_LENGTHS) if args.tiny else (QWEN3_1P7B, LENGTHS)
@@ -263,25 +322,34 @@ def main() -> int:
                 notes.append(f"- skipped {setup}: the {BUDGET_S // 60}-minute budget was spent")
                 continue
             rows.append(bench_steps(setup, shape, lengths, dist, args.steps, args.gradient_checkpointing))
-            print(f"{setup}: step {rows[-1]['step']:.2f}s, peak {_fmt_gb(rows[-1]['peak_gb'])} GB", file=sys.stderr)
-        loss_rows = [bench_loss(n, shape, dist.device, reps=3) for n in ((256, 1024) if args.tiny else (4096, 16384))]
+            print(
+                f"{setup}: step {rows[-1]['step']:.2f}s, peak {_fmt_gb(rows[-1]['peak_gb'])} GB",
+                file=sys.stderr,
+            )
+        loss_rows = [
+            bench_loss(n, shape, dist.device, reps=3) for n in ((256, 1024) if args.tiny else (4096, 16384))
+        ]
     finally:
         from opsd.distributed import shutdown
 
         shutdown()
     dev = dist.device
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    env = (f"Model: {'a tiny' if args.tiny else 'a Qwen3-1.7B-shaped'} config with random weights "
-           f"(V={shape['vocab_size']}, H={shape['hidden_size']}, {shape['num_hidden_layers']} layers, tied head), "
-           f"sdpa attention, bf16 compute. Per step: 8 samples (prompt {lengths['prompt']}, teacher prompt "
-           f"{lengths['teacher_prompt']}, response {lengths['response']} tokens) in 2 micro-batches of 4; "
-           f"loss: forward KL with entry clip 0.05; gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; "
-           f"mean of {args.steps} steps after 1 warm-up.\n\n"
-           f"Machine: {gpu}; torch {torch.__version__}; Python {platform.python_version()}; "
-           f"total wall time {time.perf_counter() - start:.0f} s.")
-    notes.append("- Phases are synchronized wall times; `fused loss` includes the analytic gradients "
-                 "(the loss computes them while walking the chunks), `backward` is the model's backward "
-                 "(plus FSDP's gradient reduction), `optimizer` is clipping + AdamW.")
+    env = (
+        f"Model: {'a tiny' if args.tiny else 'a Qwen3-1.7B-shaped'} config with random weights "
+        f"(V={shape['vocab_size']}, H={shape['hidden_size']}, {shape['num_hidden_layers']} layers, tied head), "
+        f"sdpa attention, bf16 compute. Per step: 8 samples (prompt {lengths['prompt']}, teacher prompt "
+        f"{lengths['teacher_prompt']}, response {lengths['response']} tokens) in 2 micro-batches of 4; "
+        f"loss: forward KL with entry clip 0.05; gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; "
+        f"mean of {args.steps} steps after 1 warm-up.\n\n"
+        f"Machine: {gpu}; torch {torch.__version__}; Python {platform.python_version()}; "
+        f"total wall time {time.perf_counter() - start:.0f} s."
+    )
+    notes.append(
+        "- Phases are synchronized wall times; `fused loss` includes the analytic gradients "
+        "(the loss computes them while walking the chunks), `backward` is the model's backward "
+        "(plus FSDP's gradient reduction), `optimizer` is clipping + AdamW."
+    )
     text = render(rows, loss_rows, env, notes)
     print(text)
     if not args.no_write and not args.tiny:

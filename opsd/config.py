@@ -100,7 +100,13 @@ class TeacherConfig(_Section):
     ema_decay: float = Field(0.999, gt=0, lt=1)
     path: str | None = None  # external teacher model
     privileged: bool = True  # put the reference solution in the teacher's context
+    solution_source: Literal["own", "other"] = "own"  # other: the next row's solution (a control)
     frozen_copy: Literal["device", "cpu", "none"] = "device"  # full fine-tuning + fixed: where the copy lives
+
+
+class GRPOConfig(_Section):
+    grader: str = "math"  # math (math-verify), exact (final answer string), or "package.module:function"
+    scale_rewards: bool = False  # divide advantages by the group's std (off, as in Dr. GRPO)
 
 
 class OptimConfig(_Section):
@@ -147,6 +153,8 @@ class EvalConfig(_Section):
 class Config(_Section):
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    objective: Literal["opsd", "grpo"] = "opsd"  # grpo: the RL baseline, same rollouts, data and loss kernel
+    grpo: GRPOConfig = GRPOConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -179,7 +187,12 @@ class Config(_Section):
             raise ValueError("teacher.mode=external needs teacher.path (the teacher model)")
         if t.mode != "external" and t.path:
             raise ValueError(f"teacher.path is only used with teacher.mode=external, not {t.mode!r}")
-        if t.privileged and self.data.solution_key is None:
+        if self.objective == "grpo":
+            if self.rollout.n < 2:
+                raise ValueError("objective=grpo needs rollout.n >= 2 (advantages are relative to a group)")
+            if not self.data.answer_key:
+                raise ValueError("objective=grpo needs data.answer_key (the field the reward is graded against)")
+        elif t.privileged and self.data.solution_key is None:
             raise ValueError("teacher.privileged=true needs data.solution_key (the field holding the reference solution)")
         lc = self.loss
         if lc.mode == "topk" and lc.topk < 1:

@@ -1,7 +1,7 @@
 """Data parallelism at the edges of training: torchrun, FSDP2, rank agreement, distributed checkpoints.
 
-Everything here is a no-op-or-identity on one process without torchrun's environment, so a plain
-``opsd train`` runs exactly as it would without this module. Under ``torchrun`` the process group
+On one process without torchrun's environment nothing here creates a process group, and every
+collective helper returns its input, so a plain ``opsd train`` runs exactly as it would without it. Under ``torchrun`` the process group
 holds a gloo backend for CPU tensors and NCCL for CUDA tensors, so control values (counts, flags,
 errors) travel on the CPU and never wait on a GPU stream.
 
@@ -85,11 +85,14 @@ def _torchrun_env() -> dict[str, int] | None:
         return None
     if len(present) != len(_TORCHRUN_ENV):
         missing = sorted(set(_TORCHRUN_ENV) - set(present))
-        raise UserError(f"torchrun environment is incomplete: {present} set but {missing} missing; launch with torchrun")
+        raise UserError(
+            f"torchrun environment is incomplete: {present} set but {missing} missing; launch with torchrun"
+        )
     try:
         return {k: int(os.environ[k]) for k in _TORCHRUN_ENV}
     except ValueError:
-        raise UserError(f"torchrun environment is not integers: {[f'{k}={os.environ[k]}' for k in _TORCHRUN_ENV]}")
+        values = [f"{k}={os.environ[k]}" for k in _TORCHRUN_ENV]
+        raise UserError(f"torchrun environment is not integers: {values}") from None
 
 
 def _resolve_device(device: str, local_rank: int, launched: bool) -> torch.device:
@@ -104,11 +107,15 @@ def _resolve_device(device: str, local_rank: int, launched: bool) -> torch.devic
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if device.startswith("cuda:"):
-        raise UserError(f"device={device!r} pins every rank to one GPU; under torchrun use device: cuda or auto "
-                        "(rank r uses cuda:LOCAL_RANK)")
+        raise UserError(
+            f"device={device!r} pins every rank to one GPU; under torchrun use device: cuda or auto "
+            "(rank r uses cuda:LOCAL_RANK)"
+        )
     if local_rank >= torch.cuda.device_count():
-        raise UserError(f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
-                        "set --nproc-per-node to at most the GPU count")
+        raise UserError(
+            f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+            "set --nproc-per-node to at most the GPU count"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -131,8 +138,13 @@ def init_distributed(device: str, *, replicate: int = 1, timeout_s: float | None
             dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=dev, **kwargs)
         else:
             dist.init_process_group(backend="gloo", **kwargs)
-    d = Dist(rank=env["RANK"], world_size=env["WORLD_SIZE"], local_rank=env["LOCAL_RANK"],
-             local_world_size=env["LOCAL_WORLD_SIZE"], device=dev)
+    d = Dist(
+        rank=env["RANK"],
+        world_size=env["WORLD_SIZE"],
+        local_rank=env["LOCAL_RANK"],
+        local_world_size=env["LOCAL_WORLD_SIZE"],
+        device=dev,
+    )
     return replace(d, mesh=build_mesh(d, replicate=replicate))
 
 
@@ -151,11 +163,14 @@ def build_mesh(d: Dist, *, replicate: int = 1) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     if replicate < 1 or d.world_size % replicate:
-        raise UserError(f"parallel.replicate={replicate} must be >= 1 and divide the world size {d.world_size}")
+        raise UserError(
+            f"parallel.replicate={replicate} must be >= 1 and divide the world size {d.world_size}"
+        )
     if replicate == 1:
         return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(d.device.type, (replicate, d.world_size // replicate),
-                            mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        d.device.type, (replicate, d.world_size // replicate), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def rank_seed(seed: int, rank: int) -> int:
@@ -261,7 +276,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if layers is None and hasattr(base, "get_decoder"):
         layers = getattr(base.get_decoder(), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise UserError(f"{type(base).__name__}: no decoder layers at .model.layers; FSDP sharding needs them")
+        raise UserError(
+            f"{type(base).__name__}: no decoder layers at .model.layers; FSDP sharding needs them"
+        )
     return layers
 
 
@@ -302,7 +319,13 @@ def shard_model(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=mp,
+            offload_policy=offload,
+            reshard_after_forward=reshard_after_forward,
+        )
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -310,6 +333,8 @@ def shard_model(
             m.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     setattr(model, _HIDDEN_METHOD, types.MethodType(_hidden_method, model))
     register_fsdp_forward_method(model, _HIDDEN_METHOD)
+    if hasattr(model, "generate"):  # peft's generate calls the inner model, past the root's hooks
+        register_fsdp_forward_method(model, "generate")
     _first_forward(model, mesh)
     return model
 
@@ -325,7 +350,7 @@ def _first_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     cuda = mesh.device_type == "cuda"
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
     ids = torch.zeros((1, 2), dtype=torch.long, device=dev)
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[dev] if cuda else []):  # dropout draws nothing
         forward_hidden(model, ids, torch.ones_like(ids), torch.zeros(1, dtype=torch.long, device=dev))
     model.reshard()
 
@@ -364,8 +389,10 @@ def full_head_weight(model: nn.Module) -> Tensor:
     w = head_weight(model)
     if isinstance(w, DTensor):
         if not is_sharded(model):
-            raise UserError("the lm_head weight is sharded but the model root is not an FSDP module; "
-                            "shard the model with opsd.distributed.shard_model")
+            raise UserError(
+                "the lm_head weight is sharded but the model root is not an FSDP module; "
+                "shard the model with opsd.distributed.shard_model"
+            )
         model.unshard()
         w = head_weight(model)
     return w
@@ -394,10 +421,20 @@ def zero_weight_microbatch(pad_id: int, device: torch.device | str) -> MicroBatc
     mask = torch.ones_like(ids)
     pos = torch.zeros(1, dtype=torch.long, device=dev)
     return MicroBatch(
-        student_ids=ids, student_mask=mask, student_pos=pos, teacher_ids=ids, teacher_mask=mask, teacher_pos=pos,
+        student_ids=ids,
+        student_mask=mask,
+        student_pos=pos,
+        teacher_ids=ids,
+        teacher_mask=mask,
+        teacher_pos=pos,
         targets=torch.full((1,), pad_id, dtype=torch.long, device=dev),
-        weights=torch.zeros(1, dtype=torch.float32, device=dev), response_lens=[1], sample_indices=[],
-        student_real_tokens=0, student_padded_tokens=2, teacher_real_tokens=0, teacher_padded_tokens=2,
+        weights=torch.zeros(1, dtype=torch.float32, device=dev),
+        response_lens=[1],
+        sample_indices=[],
+        student_real_tokens=0,
+        student_padded_tokens=2,
+        teacher_real_tokens=0,
+        teacher_padded_tokens=2,
     )
 
 
@@ -422,7 +459,9 @@ def _rank_file(rank: int) -> str:
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns on every single-process save/load; that is the intended use here, not a mistake."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
         yield
 
 
@@ -566,7 +605,9 @@ def load_distributed(
 
         set_model_state_dict(model, state["model"], options=opts)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts)
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts
+        )
     if tensors:
         for name, t in tensors.items():
             if state["tensors"][name] is not t:
@@ -575,11 +616,15 @@ def load_distributed(
     return Loaded(
         shared_state=torch.load(ckpt / _SHARED, weights_only=True),
         rank_state=torch.load(rank_path, weights_only=True) if rank_path.is_file() else None,
-        saved_world_size=json.loads((ckpt / _META).read_text())["world_size"] if (ckpt / _META).is_file() else 1,
+        saved_world_size=json.loads((ckpt / _META).read_text())["world_size"]
+        if (ckpt / _META).is_file()
+        else 1,
     )
 
 
-def gather_full_state_dict(model: nn.Module, *, trainable_only: bool = False, all_ranks: bool = False) -> dict[str, Tensor]:
+def gather_full_state_dict(
+    model: nn.Module, *, trainable_only: bool = False, all_ranks: bool = False
+) -> dict[str, Tensor]:
     """Collective: full (unsharded) weights under the model's own parameter names, for an HF export.
 
     Rank 0 gets CPU tensors and the other ranks ``{}``; with ``all_ranks`` every rank gets them on its
@@ -587,11 +632,16 @@ def gather_full_state_dict(model: nn.Module, *, trainable_only: bool = False, al
     process without sharding the tensors are the live ones (detached), so do not change them in place.
     """
     if not is_sharded(model):
-        return {k: v.detach() for k, v in model.state_dict().items()
-                if not trainable_only or k in _trainable_names(model)}
+        return {
+            k: v.detach()
+            for k, v in model.state_dict().items()
+            if not trainable_only or k in _trainable_names(model)
+        }
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks, ignore_frozen_params=trainable_only)
+    opts = StateDictOptions(
+        full_state_dict=True, cpu_offload=not all_ranks, ignore_frozen_params=trainable_only
+    )
     return get_model_state_dict(model, options=opts)
 
 

@@ -6,6 +6,7 @@ checks several things. Workers set torchrun's variables and go through ``init_di
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import time
@@ -17,6 +18,7 @@ import torch.multiprocessing as mp
 
 from opsd import distributed as D
 from opsd.errors import UserError
+from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
 SPEC_KW = {"mode": "jsd", "beta": 0.5}
 LR = 1e-2
@@ -31,19 +33,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+def _entry(rank: int, world: int, replicate: int, port: int, fn, args: tuple) -> None:
+    local = world // replicate  # ranks per "node"
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank % local),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(local),
+    )
     torch.set_num_threads(1)
-    d = D.init_distributed("cpu")
+    d = D.init_distributed("cpu", replicate=replicate)
     try:
         fn(d, *args)
     finally:
         D.shutdown()
 
 
-def _spawn(fn, *args, world: int = 2) -> None:
-    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+def _spawn(fn, *args, world: int = 2, replicate: int = 1) -> None:
+    mp.spawn(_entry, args=(world, replicate, _free_port(), fn, args), nprocs=world, join=True)
 
 
 @pytest.fixture
@@ -55,20 +64,11 @@ def no_torchrun(monkeypatch):
 # --- a tiny model, data and one OPSD step (shared by the reference and the sharded run) ------------
 
 
-def _tiny():
-    try:
-        from opsd.tiny import build_tiny_model, build_tiny_tokenizer
-    except ImportError:
-        from opsd.models import build_tiny_model, build_tiny_tokenizer
-    return build_tiny_model, build_tiny_tokenizer
-
-
 def _model(variant: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """``lora``: adapters on q/v with gradient checkpointing; ``full``: every weight, head tied to the embedding."""
     from opsd.models import apply_lora, enable_gradient_checkpointing
 
-    build_model, build_tok = _tiny()
-    model = build_model(build_tok(), hidden_size=32, num_layers=2, seed=seed).to(dtype)
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=2, seed=seed).to(dtype)
     if variant == "full":
         model.lm_head.weight = model.model.embed_tokens.weight
         model.config.tie_word_embeddings = True
@@ -76,8 +76,9 @@ def _model(variant: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> t
     enable_gradient_checkpointing(model)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
-        return apply_lora(model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"],
-                          gradient_checkpointing=True)
+        return apply_lora(
+            model, r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"], gradient_checkpointing=True
+        )
 
 
 def _fresh(variant: str) -> torch.nn.Module:
@@ -103,15 +104,22 @@ def _samples(step: int, rank: int, n: int) -> list:
     for i in range(n):
         p, r = int(torch.randint(3, 7, (1,), generator=g)), int(torch.randint(2, 7, (1,), generator=g))
         ids = torch.randint(5, 500, (p + 4 + r,), generator=g).tolist()
-        out.append(make_sample(ids[:p], ids[p: p + 4], ids[p + 4:], i, "stop"))
+        out.append(make_sample(ids[:p], ids[p : p + 4], ids[p + 4 :], i, "stop"))
     return out
 
 
 def _microbatches(samples: list, global_tokens: float, global_seqs: float) -> list:
     from opsd.data.batching import make_microbatches
 
-    return make_microbatches(samples, max_tokens=1, pad_id=0, reduction="token", global_tokens=global_tokens,
-                             global_seqs=global_seqs, device="cpu")
+    return make_microbatches(
+        samples,
+        max_tokens=1,
+        pad_id=0,
+        reduction="token",
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        device="cpu",
+    )
 
 
 def _loss(sh, sw, th, tw, weights, targets):
@@ -145,8 +153,11 @@ def _full_grads(model) -> dict:
     """Every trainable parameter's whole gradient (collective when sharded)."""
     from torch.distributed.tensor import DTensor
 
-    return {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
-            for n, p in model.named_parameters() if p.requires_grad}
+    return {
+        n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def _step(model, teacher, opt, mbs: list, grads: list | None = None) -> float:
@@ -161,37 +172,37 @@ def _step(model, teacher, opt, mbs: list, grads: list | None = None) -> float:
     return float(norm)
 
 
-# per step: how many samples each of the two ranks draws (uneven, then one rank with none)
+# per step: how many samples each rank draws (uneven counts, then a rank with none)
 PLAN = [(2, 1), (2, 0)]
+HSDP_PLAN = [(2, 1, 1, 0), (0, 2, 1, 1)]
 
 
-def _rank_batches(step: int, rank: int, counts: tuple[int, int]) -> list:
+def _rank_batches(step: int, rank: int, counts: tuple[int, ...]) -> list:
     """This rank's micro-batches for ``step``, weighted by the global (all-rank) token count."""
     mine = _samples(step, rank, counts[rank])
-    totals = D.all_reduce_sum(torch.tensor([sum(s.response_len for s in mine), len(mine)], dtype=torch.float64))
+    totals = D.all_reduce_sum(
+        torch.tensor([sum(s.response_len for s in mine), len(mine)], dtype=torch.float64)
+    )
     return D.pad_microbatches(_microbatches(mine, *totals.tolist()), pad_id=0, device="cpu")
 
 
-def _union_batches(step: int, counts: tuple[int, int]) -> list:
+def _union_batches(step: int, counts: tuple[int, ...]) -> list:
     union = [s for r, n in enumerate(counts) for s in _samples(step, r, n)]
     return _microbatches(union, sum(s.response_len for s in union), len(union))
 
 
-def _run_equivalence(d: D.Dist, variant: str) -> None:
-    torch.manual_seed(0)
+def _run_equivalence(d: D.Dist, variant: str, plan: list[tuple[int, ...]]) -> None:
     model = _model(variant)
     teacher = None
     if variant == "full":
-        import copy
-
         teacher = copy.deepcopy(model).requires_grad_(False).eval()
         D.shard_model(teacher, d.mesh, param_dtype=None)
     D.shard_model(model, d.mesh, param_dtype=None)
     opt = _optimizer(model)
     norms, grads = [], []
-    for step, counts in enumerate(PLAN):
+    for step, counts in enumerate(plan):
         mbs = _rank_batches(step, d.rank, counts)
-        assert len(mbs) == max(1, counts[0]), "padding did not bring both ranks to the same count"
+        assert len(mbs) == max(counts), "padding did not bring every rank to the same count"
         norms.append(_step(model, teacher, opt, mbs, grads))
     got = D.gather_full_state_dict(model)
     got_teacher = D.gather_full_state_dict(teacher) if teacher is not None else None
@@ -201,26 +212,33 @@ def _run_equivalence(d: D.Dist, variant: str) -> None:
     initial = {k: v.clone() for k, v in ref.state_dict().items()}
     ref_teacher = None
     if variant == "full":
-        import copy
-
         ref_teacher = copy.deepcopy(ref).requires_grad_(False).eval()
     ref_opt = _optimizer(ref)
     ref_grads: list = []
-    ref_norms = [_step(ref, ref_teacher, ref_opt, _union_batches(step, counts), ref_grads)
-                 for step, counts in enumerate(PLAN)]
+    ref_norms = [
+        _step(ref, ref_teacher, ref_opt, _union_batches(step, counts), ref_grads)
+        for step, counts in enumerate(plan)
+    ]
     if variant == "full":  # the tied head's gradient (the loss's and the embedding's, summed over ranks)
         assert ref.lm_head.weight is ref.model.embed_tokens.weight and "model.embed_tokens.weight" in grads[0]
     for step, (g, w) in enumerate(zip(grads, ref_grads)):
         assert g.keys() == w.keys()
         for k in w:
             scale = float(w[k].abs().max())
-            torch.testing.assert_close(g[k], w[k], rtol=1e-5, atol=1e-5 * scale,
-                                       msg=lambda m, k=k, step=step: f"{variant} step {step} grad {k}: {m}")
+            torch.testing.assert_close(
+                g[k],
+                w[k],
+                rtol=1e-5,
+                atol=1e-5 * scale,
+                msg=lambda m, k=k, step=step: f"{variant} step {step} grad {k}: {m}",
+            )
     want = ref.state_dict()
     assert got.keys() == want.keys()
     changed = 0
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{variant} {k}: {m}")
+        torch.testing.assert_close(
+            got[k], want[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{variant} {k}: {m}"
+        )
         changed += not torch.equal(want[k], initial[k])
     assert changed >= (2 if variant == "full" else 4), "the step changed too few tensors to test anything"
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
@@ -243,20 +261,46 @@ def _bf16_lora_step(d: D.Dist) -> None:
     assert abs(float(D.clip_grad_norm(_trainable(model), float("inf"))) - 1e-6) < 1e-9
     _optimizer(model).step()
     assert any(not torch.equal(p.detach().full_tensor(), before[n]) for n, p in lora.items())
+    # Sampling through the sharded model: ranks stop at different lengths, synced_gpus keeps the
+    # all-gathers matched.
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        out = model.eval().generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=2 + 3 * d.rank,
+            synced_gpus=True,
+            pad_token_id=0,
+        )
+    assert out.shape[1] <= 4 + 2 + 3 * d.rank
 
 
 def _equivalence_worker(d: D.Dist) -> None:
     for variant in ("lora", "full"):
-        _run_equivalence(d, variant)
+        _run_equivalence(d, variant, PLAN)
     _bf16_lora_step(d)
 
 
+def _hsdp_worker(d: D.Dist) -> None:
+    assert d.mesh.mesh_dim_names == ("replicate", "shard") and d.mesh.shape == (2, 2)
+    for variant in ("lora", "full"):
+        _run_equivalence(d, variant, HSDP_PLAN)
+
+
+@pytest.mark.slow
 def test_two_rank_fsdp_steps_equal_one_rank_on_the_union_batch():
     """LoRA (+ gradient checkpointing) and full fine-tuning with a tied head and a sharded frozen teacher:
     two AdamW steps on 2 ranks, with uneven micro-batch counts and then a rank with no samples, give the
     parameters and gradient norms of 1 process on the union batches (fp32, 1e-5 relative). Then a bf16
-    LoRA step runs."""
+    LoRA step runs and samples through the sharded model."""
     _spawn(_equivalence_worker)
+
+
+@pytest.mark.slow
+def test_hsdp_two_by_two_steps_equal_one_rank_on_the_union_batch():
+    """4 ranks as 2 replicas x 2 shards (HSDP): gradients are summed over both mesh dimensions."""
+    _spawn(_hsdp_worker, world=4, replicate=2)
 
 
 # --- distributed checkpoints: 1 -> 2 -> 2 and 2 -> 1 ------------------------------------------------
@@ -266,8 +310,10 @@ def _full_state(model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     if not D.is_sharded(model):
-        return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "optim": get_state_dict(model, opt)[1]}
+        return {
+            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optim": get_state_dict(model, opt)[1],
+        }
     m, o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"model": m, "optim": o}
 
@@ -294,9 +340,19 @@ def _dcp_worker(d: D.Dist, root: str) -> None:
         if d.rank == 0:
             _assert_same_state(state, torch.load(root_p / variant / "one.pt", weights_only=True))
 
-        _step(model, None if variant == "lora" else _frozen_copy(d, variant), opt, _rank_batches(1, d.rank, (2, 1)))
-        D.save_distributed(root_p / variant / "two", model, opt, {"rank": d.rank, "rng": rng_state()},
-                           {"step": 2, "cursor": {"epoch": 0, "pos": [1, 2]}})
+        _step(
+            model,
+            None if variant == "lora" else _frozen_copy(d, variant),
+            opt,
+            _rank_batches(1, d.rank, PLAN[0]),
+        )
+        D.save_distributed(
+            root_p / variant / "two",
+            model,
+            opt,
+            {"rank": d.rank, "rng": rng_state()},
+            {"step": 2, "cursor": {"epoch": 0, "pos": [1, 2]}},
+        )
         state = _full_state(model, opt)
         if d.rank == 0:
             torch.save(state, root_p / variant / "two.pt")
@@ -310,6 +366,17 @@ def _dcp_worker(d: D.Dist, root: str) -> None:
         got = _full_state(model, opt)
         if d.rank == 0:
             _assert_same_state(got, state)
+
+    # Full weights for an export (rank 0), for every rank, and streamed one tensor at a time.
+    everywhere = D.gather_full_state_dict(model, all_ranks=True)
+    streamed = dict(D.iter_full_tensors(model))
+    torch.testing.assert_close(streamed, everywhere, rtol=0, atol=0)
+    on_rank0 = D.gather_full_state_dict(model)
+    if d.rank == 0:
+        torch.testing.assert_close(on_rank0, {k: v.cpu() for k, v in everywhere.items()}, rtol=0, atol=0)
+        assert "lm_head.weight" in on_rank0
+    else:
+        assert on_rank0 == {}
 
     # A failing export on rank 0 fails the save on every rank and leaves no checkpoint behind.
     def export(path: Path) -> None:
@@ -326,6 +393,7 @@ def _frozen_copy(d: D.Dist, variant: str):
     return D.shard_model(teacher, d.mesh, param_dtype=None)
 
 
+@pytest.mark.slow
 def test_distributed_checkpoint_reshards_between_one_and_two_ranks(tmp_path, no_torchrun):
     """DCP save by 1 process (no process group) -> load on 2 ranks -> step -> save on 2 -> load on 2 and
     on 1: identical parameters and AdamW state; per-rank state goes back to its rank; an export error
@@ -335,9 +403,15 @@ def test_distributed_checkpoint_reshards_between_one_and_two_ranks(tmp_path, no_
     for variant in ("lora", "full"):
         model = _model(variant)
         opt = _optimizer(model)
-        _step(model, None if variant == "lora" else _model(variant).requires_grad_(False), opt,
-              _union_batches(0, (2, 1)))
-        D.save_distributed(tmp_path / variant / "one", model, opt, {"rank": 0, "rng": rng_state()}, {"step": 1})
+        _step(
+            model,
+            None if variant == "lora" else _model(variant).requires_grad_(False),
+            opt,
+            _union_batches(0, PLAN[0]),
+        )
+        D.save_distributed(
+            tmp_path / variant / "one", model, opt, {"rank": 0, "rng": rng_state()}, {"step": 1}
+        )
         torch.save(_full_state(model, opt), tmp_path / variant / "one.pt")
         assert not any(p.name.startswith(".tmp-") for p in (tmp_path / variant).iterdir())
 
@@ -348,7 +422,9 @@ def test_distributed_checkpoint_reshards_between_one_and_two_ranks(tmp_path, no_
         opt = _optimizer(model)
         loaded = D.load_distributed(tmp_path / variant / "two", model, opt)
         assert loaded.rank_state["rank"] == 0 and loaded.shared_state["cursor"] == {"epoch": 0, "pos": [1, 2]}
-        _assert_same_state(_full_state(model, opt), torch.load(tmp_path / variant / "two.pt", weights_only=True))
+        _assert_same_state(
+            _full_state(model, opt), torch.load(tmp_path / variant / "two.pt", weights_only=True)
+        )
 
 
 # --- setup errors and rank agreement ----------------------------------------------------------------
@@ -371,9 +447,12 @@ def _agreement_worker(d: D.Dist, out: str) -> None:
     try:
         D.run_setup(setup, "run directory setup")
     except Exception as err:  # noqa: BLE001 -- the test records what each rank raised
-        Path(out, f"rank{d.rank}.txt").write_text(f"{type(err).__name__}|{err}|{time.monotonic() - start:.2f}")
+        Path(out, f"rank{d.rank}.txt").write_text(
+            f"{type(err).__name__}|{err}|{time.monotonic() - start:.2f}"
+        )
 
 
+@pytest.mark.slow
 def test_setup_error_on_rank0_ends_every_rank_with_its_message(tmp_path):
     _spawn(_agreement_worker, str(tmp_path))
     for rank in (0, 1):
@@ -395,8 +474,7 @@ def test_one_process_without_torchrun_is_unchanged(no_torchrun, tiny_tokenizer):
 
     from opsd.models import final_hidden, head_weight
 
-    build_model, _ = _tiny()
-    model = build_model(tiny_tokenizer, hidden_size=32, num_layers=1)
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1)
     ids, mask, pos = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), torch.tensor([1])
     assert torch.equal(D.forward_hidden(model, ids, mask, pos), final_hidden(model, ids, mask, pos))
     assert D.full_head_weight(model) is head_weight(model)
@@ -411,8 +489,7 @@ def test_partial_torchrun_environment_is_a_user_error(monkeypatch):
 
 
 def test_checkpoint_extra_state_must_be_plain_data(tmp_path, no_torchrun, tiny_tokenizer):
-    build_model, _ = _tiny()
-    model = build_model(tiny_tokenizer, hidden_size=32, num_layers=1)
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1)
     with pytest.raises(TypeError, match="shared_state must hold only tensors and plain data"):
         D.save_distributed(tmp_path / "step_000001", model, None, {}, {"bad": object()})
     assert list(tmp_path.iterdir()) == []

@@ -5,6 +5,9 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import subprocess
+import sys
+from dataclasses import FrozenInstanceError
 
 import pytest
 import torch
@@ -12,11 +15,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from opsd.config import LossConfig
+from opsd.errors import UserError
 from opsd.loss import (
+    DistillSpec,
     distill_loss_dense,
     fused_linear_distill,
     per_token_loss_dense,
-    token_weights,
     vocab_parallel_distill,
 )
 
@@ -76,10 +81,11 @@ def test_dense_and_chunked_match_independent_formulation(kw):
     hs, ht, w, y = make()
     zs, zt = hs @ w.t(), ht @ w.t()
     ref = independent(zs, zt, y, temperature=1.3, **kw)
-    dense = per_token_loss_dense(zs, zt, y, temperature=1.3, **kw)
+    spec = DistillSpec(temperature=1.3, **kw)
+    dense = per_token_loss_dense(zs, zt, y, spec)
     torch.testing.assert_close(dense, ref, rtol=1e-10, atol=1e-12)
     weights = torch.rand(hs.shape[0], dtype=torch.float64)
-    loss, _ = fused_linear_distill(hs, w, ht, w, weights, y, temperature=1.3, chunk_size=5, **kw)
+    loss, _ = fused_linear_distill(hs, w, ht, w, weights, y, spec, chunk_size=5)
     torch.testing.assert_close(loss, (ref * weights).sum(), rtol=1e-10, atol=1e-12)
 
 
@@ -88,11 +94,12 @@ def test_chunked_gradients_match_dense_autograd(kw):
     hs, ht, w, y = make(seed=1)
     weights = torch.rand(hs.shape[0], dtype=torch.float64)
     weights[3] = 0.0
+    spec = DistillSpec(temperature=0.9, **kw)
     hs1, w1 = hs.clone().requires_grad_(), w.clone().requires_grad_()
-    dense = distill_loss_dense(hs1 @ w1.t(), ht @ w1.t().detach(), weights, y, temperature=0.9, **kw)
+    dense = distill_loss_dense(hs1 @ w1.t(), ht @ w1.t().detach(), weights, y, spec)
     dense.backward()
     hs2, w2 = hs.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, _ = fused_linear_distill(hs2, w2, ht, w2, weights, y, temperature=0.9, chunk_size=4, **kw)
+    loss, _ = fused_linear_distill(hs2, w2, ht, w2, weights, y, spec, chunk_size=4)
     loss.backward()
     torch.testing.assert_close(loss, dense)
     torch.testing.assert_close(hs2.grad, hs1.grad)
@@ -106,7 +113,7 @@ def test_gradcheck_chunked(kw):
     weights = torch.tensor([0.3, 0.0, 0.2, 0.4, 0.1], dtype=torch.float64)
 
     def f(h, wgt):
-        return fused_linear_distill(h, wgt, ht, wt, weights, y, temperature=1.1, chunk_size=2, **kw)[0]
+        return fused_linear_distill(h, wgt, ht, wt, weights, y, DistillSpec(temperature=1.1, **kw), chunk_size=2)[0]
 
     if kw["mode"] != "sampled":
         assert torch.autograd.gradcheck(f, (hs.clone().requires_grad_(), w.clone().requires_grad_()))
@@ -132,19 +139,20 @@ def test_gradcheck_chunked(kw):
 def test_clip_semantics():
     hs, ht, w, y = make(seed=3, scale=3.0)
     zs, zt = hs @ w.t(), ht @ w.t()
-    raw = per_token_loss_dense(zs, zt, mode="jsd", beta=0.0)
-    tok = per_token_loss_dense(zs, zt, mode="jsd", beta=0.0, clip_mode="token", clip=0.2)
+    token_clip = DistillSpec(clip_mode="token", clip=0.2)
+    raw = per_token_loss_dense(zs, zt)
+    tok = per_token_loss_dense(zs, zt, spec=token_clip)
     assert (raw > 0.2).any() and (raw < 0.2).any()
     torch.testing.assert_close(tok, raw.clamp(max=0.2))
     # a clipped token gets exactly zero gradient
     zs_g = zs.clone().requires_grad_()
-    per_token_loss_dense(zs_g, zt, mode="jsd", beta=0.0, clip_mode="token", clip=0.2).sum().backward()
+    per_token_loss_dense(zs_g, zt, spec=token_clip).sum().backward()
     clipped = raw > 0.2
     assert torch.all(zs_g.grad[clipped] == 0) and torch.all(zs_g.grad[~clipped].abs().sum(-1) > 0)
     # entry clipping can make the per-token loss negative (forward-KL terms can be negative)
-    ent = per_token_loss_dense(zs, zt, mode="jsd", beta=0.0, clip_mode="entry", clip=0.0)
+    ent = per_token_loss_dense(zs, zt, spec=DistillSpec(clip_mode="entry", clip=0.0))
     assert (ent < 0).all()
-    _, stats = fused_linear_distill(hs, w, ht, w, mode="jsd", clip_mode="token", clip=0.2)
+    _, stats = fused_linear_distill(hs, w, ht, w, spec=token_clip)
     assert stats.clipped == clipped.sum().item() and stats.clip_total == len(raw)
 
 
@@ -153,17 +161,17 @@ def test_bf16_inputs_computed_in_fp32():
     hb, tb, wb = hs.bfloat16(), ht.bfloat16(), w.bfloat16()
     ref = independent(hb.double() @ wb.double().t(), tb.double() @ wb.double().t(), y,
                       mode="jsd", beta=0.5, temperature=1.0, clip_mode="none", clip=0.0, topk=0).mean()
-    loss, _ = fused_linear_distill(hb, wb, tb, wb, beta=0.5)
+    loss, _ = fused_linear_distill(hb, wb, tb, wb, spec=DistillSpec(beta=0.5))
     assert loss.dtype == torch.float32
     assert abs(loss.item() - ref.item()) / ref.item() < 1e-4
-    dense = distill_loss_dense(hb @ wb.t(), tb @ wb.t(), beta=0.5)
+    dense = distill_loss_dense(hb @ wb.t(), tb @ wb.t(), spec=DistillSpec(beta=0.5))
     assert dense.dtype == torch.float32
 
 
 def test_stats_are_sums_over_tokens():
     hs, ht, w, y = make(n=10, seed=5)
     zs, zt = hs @ w.t(), ht @ w.t()
-    _, st = fused_linear_distill(hs, w, ht, w, mode="jsd", beta=0.0, chunk_size=3)
+    _, st = fused_linear_distill(hs, w, ht, w, chunk_size=3)
     assert st.tokens == 10
     torch.testing.assert_close(st.divergence, per_token_loss_dense(zs, zt).sum().item())
     ent = -(zs.softmax(-1) * zs.log_softmax(-1)).sum()
@@ -171,22 +179,23 @@ def test_stats_are_sums_over_tokens():
     assert st.agree == (zs.argmax(-1) == zt.argmax(-1)).sum().item()
 
 
-def test_token_weights_make_accumulation_equal_one_big_batch():
+def test_micro_batches_with_global_weights_add_up_to_one_big_batch():
     hs, ht, w, y = make(n=16, seed=6)
     mask = torch.ones(4, 4)
     mask[0, 3] = mask[2, 2:] = 0
-    big_w = token_weights(mask).flatten()
-    full, _ = fused_linear_distill(hs, w, ht, w, big_w)
-    total_tokens = mask.sum().item()
-    parts = sum(
-        fused_linear_distill(hs[i : i + 8], w, ht[i : i + 8], w,
-                             token_weights(mask[i // 4 : i // 4 + 2], global_tokens=total_tokens).flatten())[0]
-        for i in (0, 8)
-    )
+    big_w = (mask / mask.sum()).flatten()  # every token weighs 1 / (tokens in the whole batch)
+    full, _ = fused_linear_distill(hs, w, ht, w, big_w.double())
+    parts = sum(fused_linear_distill(hs[i : i + 8], w, ht[i : i + 8], w, big_w[i : i + 8].double())[0] for i in (0, 8))
     torch.testing.assert_close(parts, full)
-    seq_w = token_weights(mask, reduction="sequence")
-    torch.testing.assert_close(seq_w.sum(), torch.tensor(1.0))
-    torch.testing.assert_close(seq_w[0, 0], torch.tensor(1 / 3 / 4))
+
+
+def test_default_weights_are_a_mean_in_the_input_dtype():
+    hs, ht, w, y = make(n=12, seed=6)  # 1/12 is not a float32 number: a float32 mean would be off by ~1e-8
+    loss, _ = fused_linear_distill(hs, w, ht, w)
+    dense = distill_loss_dense(hs @ w.t(), ht @ w.t())
+    torch.testing.assert_close(loss, dense, rtol=1e-14, atol=0)
+    explicit, _ = fused_linear_distill(hs, w, ht, w, torch.full((12,), 1 / 12, dtype=torch.float64))
+    assert loss.item() == explicit.item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,21 +220,21 @@ def test_nonnegative_and_zero_at_equality(n, v, beta, seed, t):
 def test_masked_tokens_change_nothing(seed, beta, mode):
     hs, ht, w, y = make(n=8, seed=seed, dtype=torch.float32)
     weights = torch.tensor([1.0, 0, 1, 1, 0, 1, 1, 0]) / 5
-    kw = dict(mode=mode, beta=beta, topk=3)
+    spec = DistillSpec(mode=mode, beta=beta, topk=3)
     hs1 = hs.clone().requires_grad_()
-    a, _ = fused_linear_distill(hs1, w, ht, w, weights, y, **kw)
+    a, _ = fused_linear_distill(hs1, w, ht, w, weights, y, spec)
     a.backward()
     hs2 = hs.clone()
     hs2[weights == 0] = 1e4 * torch.randn_like(hs2[weights == 0])
     hs2.requires_grad_()
     ht2 = ht.clone()
     ht2[weights == 0] = float("nan")
-    b, _ = fused_linear_distill(hs2, w, ht2, w, weights, y, **kw)
+    b, _ = fused_linear_distill(hs2, w, ht2, w, weights, y, spec)
     b.backward()
     torch.testing.assert_close(a, b)
     torch.testing.assert_close(hs1.grad, hs2.grad)
     assert torch.all(hs2.grad[weights == 0] == 0)
-    dense = distill_loss_dense(hs2 @ w.t(), ht2 @ w.t(), weights, y, **kw)
+    dense = distill_loss_dense(hs2 @ w.t(), ht2 @ w.t(), weights, y, spec)
     torch.testing.assert_close(dense, a)
 
 
@@ -236,12 +245,13 @@ def test_finite_for_huge_logits(seed, beta, clip):
     zs = torch.randint(-1, 2, (6, 20), generator=g).float() * 1e4
     zt = torch.randint(-1, 2, (6, 20), generator=g).float() * 1e4
     zs.requires_grad_()
-    loss = distill_loss_dense(zs, zt, beta=beta, clip_mode=clip[0], clip=clip[1])
+    spec = DistillSpec(beta=beta, clip_mode=clip[0], clip=clip[1])
+    loss = distill_loss_dense(zs, zt, spec=spec)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(zs.grad).all()
     head = torch.eye(20) * 1e4  # hidden states equal to the logits / 1e4
     hs = (zs.detach() / 1e4).requires_grad_()
-    loss2, _ = fused_linear_distill(hs, head, zt / 1e4, head, beta=beta, clip_mode=clip[0], clip=clip[1])
+    loss2, _ = fused_linear_distill(hs, head, zt / 1e4, head, spec=spec)
     loss2.backward()
     assert torch.isfinite(loss2) and torch.isfinite(hs.grad).all()
 
@@ -253,9 +263,9 @@ def test_chunked_equals_dense_for_any_chunk_size(n, chunk, seed, mode, beta, cli
     if mode == "sampled":
         clip = ("none", 0.0)
     hs, ht, w, y = make(n=n, seed=seed)
-    kw = dict(mode=mode, beta=beta, topk=4, clip_mode=clip[0], clip=clip[1])
-    loss, _ = fused_linear_distill(hs, w, ht, w, None, y, chunk_size=chunk, **kw)
-    torch.testing.assert_close(loss, distill_loss_dense(hs @ w.t(), ht @ w.t(), None, y, **kw))
+    spec = DistillSpec(mode=mode, beta=beta, topk=4, clip_mode=clip[0], clip=clip[1])
+    loss, _ = fused_linear_distill(hs, w, ht, w, None, y, spec, chunk_size=chunk)
+    torch.testing.assert_close(loss, distill_loss_dense(hs @ w.t(), ht @ w.t(), None, y, spec))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,18 +280,40 @@ def test_chunked_equals_dense_for_any_chunk_size(n, chunk, seed, mode, beta, cli
         (dict(temperature=0.0), "temperature must be > 0"),
         (dict(clip_mode="entry", clip=-1.0), "clip must be >= 0"),
         (dict(clip_mode="sometimes"), "clip_mode must be one of"),
-        (dict(mode="topk", topk=41), "exceeds the vocabulary size V=40"),
         (dict(mode="topk", topk=0), "topk must be >= 1"),
         (dict(mode="nope"), "loss mode must be one of"),
         (dict(mode="sampled", clip_mode="token", clip=1.0), "clip_mode must be 'none'"),
+        (dict(reduction="batch"), "reduction must be one of"),
     ],
 )
-def test_bad_arguments(kw, match):
+def test_bad_spec(kw, match):
+    with pytest.raises(UserError, match=match):
+        DistillSpec(**kw)
+
+
+def test_topk_larger_than_the_vocabulary():
     hs, ht, w, y = make()
-    with pytest.raises(ValueError, match=match):
-        fused_linear_distill(hs, w, ht, w, None, y, **kw)
-    with pytest.raises(ValueError, match=match):
-        distill_loss_dense(hs @ w.t(), ht @ w.t(), None, y, **kw)
+    spec = DistillSpec(mode="topk", topk=41)
+    with pytest.raises(UserError, match="exceeds the vocabulary size V=40"):
+        fused_linear_distill(hs, w, ht, w, None, y, spec)
+    with pytest.raises(UserError, match="exceeds the vocabulary size V=40"):
+        distill_loss_dense(hs @ w.t(), ht @ w.t(), None, y, spec)
+    fused_linear_distill(hs, w, ht, w, None, y, DistillSpec(mode="topk", topk=40))
+
+
+def test_spec_is_frozen_and_built_from_the_config():
+    with pytest.raises(FrozenInstanceError):
+        DistillSpec().beta = 0.5
+    lc = LossConfig(mode="topk", topk=5, beta=0.5, clip_mode="token", clip=0.2, reduction="sequence")
+    assert lc.to_spec(1.1) == DistillSpec(mode="topk", beta=0.5, temperature=1.1, clip_mode="token", clip=0.2,
+                                          topk=5, reduction="sequence")
+    assert lc.to_spec(0.0).temperature == 1.0  # greedy rollouts: T = 1
+    assert LossConfig(temperature=0.7).to_spec(1.1).temperature == 0.7
+
+
+def test_spec_imports_without_torch():
+    code = "import sys, opsd.config, opsd.loss; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_shape_errors():
@@ -297,7 +329,7 @@ def test_shape_errors():
     with pytest.raises(ValueError, match="weights must have shape"):
         fused_linear_distill(hs, w, ht, w, torch.ones(3))
     with pytest.raises(ValueError, match="targets"):
-        fused_linear_distill(hs, w, ht, w, mode="sampled")
+        fused_linear_distill(hs, w, ht, w, spec=DistillSpec(mode="sampled"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,8 +356,8 @@ def _vp_worker(rank: int, world: int, port: int, results) -> None:
         zt = ht @ w.t()
         shard = slice(rank * 20, (rank + 1) * 20)
         zs_shard = zs[:, shard].clone().requires_grad_()
-        loss = vocab_parallel_distill(zs_shard, zt[:, shard], weights, beta=beta, temperature=1.2,
-                                      clip_mode=cm, clip=c)
+        spec = DistillSpec(beta=beta, temperature=1.2, clip_mode=cm, clip=c)
+        loss = vocab_parallel_distill(zs_shard, zt[:, shard], weights, spec)
         loss.backward()
         out[(beta, cm)] = (loss.item(), zs_shard.grad.clone())
     results[rank] = out
@@ -342,7 +374,8 @@ def test_vocab_parallel_matches_dense_over_two_gloo_processes():
     weights = torch.rand(7, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     for beta, (cm, c) in itertools.product([0.0, 0.5, 1.0], CLIPS):
         zs = (hs @ w.t()).detach().requires_grad_()
-        dense = distill_loss_dense(zs, ht @ w.t(), weights, beta=beta, temperature=1.2, clip_mode=cm, clip=c)
+        dense = distill_loss_dense(zs, ht @ w.t(), weights,
+                                   spec=DistillSpec(beta=beta, temperature=1.2, clip_mode=cm, clip=c))
         dense.backward()
         for rank in (0, 1):
             loss, grad = results[rank][(beta, cm)]
@@ -353,8 +386,8 @@ def test_vocab_parallel_matches_dense_over_two_gloo_processes():
 def test_backward_scales_with_the_incoming_gradient():
     hs, ht, w, _ = make(seed=9)
     h1, w1 = hs.clone().requires_grad_(), w.clone().requires_grad_()
-    fused_linear_distill(h1, w1, ht, w1, beta=0.5)[0].backward()
+    fused_linear_distill(h1, w1, ht, w1, spec=DistillSpec(beta=0.5))[0].backward()
     h2, w2 = hs.clone().requires_grad_(), w.clone().requires_grad_()
-    (3.0 * fused_linear_distill(h2, w2, ht, w2, beta=0.5)[0]).backward()
+    (3.0 * fused_linear_distill(h2, w2, ht, w2, spec=DistillSpec(beta=0.5))[0]).backward()
     torch.testing.assert_close(h2.grad, 3 * h1.grad)
     torch.testing.assert_close(w2.grad, 3 * w1.grad)
