@@ -1,15 +1,20 @@
 """Atomic, safe-to-load checkpoints: written to a temporary directory, then renamed into place.
 
 A run killed mid-save leaves only a ``.tmp-*`` directory behind (removed at the next save, or by
-:func:`clean_partial`); every ``step_*`` directory is complete. Layout of
-``RUN_DIR/checkpoints/step_000010/``:
+:func:`clean_partial`); every ``step_*`` directory is complete. One layout for one process and for
+any number of torchrun ranks (:func:`opsd.distributed.save_distributed`), so a run resumes at any
+world size. ``RUN_DIR/checkpoints/step_000010/``:
 
+* ``dcp/``     -- trainable weights, optimizer state and the EMA teacher (torch.distributed.checkpoint;
+  resharded on load to the current number of ranks)
 * ``model/``   -- Hugging Face format: the LoRA adapter (peft) or the full model, plus tokenizer
 * ``merged/``  -- optional, LoRA only: the adapter merged into a full model (vLLM/transformers load it)
-* ``state.pt`` -- optimizer, scheduler, teacher (EMA), RNG states, data cursor, step counter
+* ``state.pt`` -- step counter, scheduler, data cursor (shared by all ranks)
+* ``rank_NNNNN.pt`` -- each rank's own RNG state and counters
 
-``state.pt`` holds only tensors, numbers, strings, lists, tuples and dicts, and is loaded with
+The ``.pt`` files hold only tensors, numbers, strings, lists, tuples and dicts, and are loaded with
 ``torch.load(weights_only=True)``: a checkpoint from someone else cannot run code when resumed.
+Frozen weights (the LoRA base model) are not saved; they come from ``model.path``.
 """
 
 from __future__ import annotations
@@ -17,15 +22,21 @@ from __future__ import annotations
 import pickle
 import random
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from opsd.distributed import (
+    gather_full_state_dict,
+    is_sharded,
+    load_distributed,
+    rank_world,
+    save_distributed,
+)
 from opsd.errors import TrainingError, UserError
-from opsd.models import merged_state_dict
+from opsd.models import base_model, merged_state_dict
 
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
@@ -65,7 +76,9 @@ def clean_partial(run_dir: Path) -> list[Path]:
 
 
 def rng_state() -> dict:
-    """Python, numpy and torch (and CUDA) generator states as tensors, ints, floats and lists."""
+    """Python, numpy and torch (and this process's CUDA device) generator states as tensors, ints,
+    floats and lists. Only the current CUDA device: asking for every visible one would start a CUDA
+    context on each GPU from every torchrun rank."""
     version, internal, gauss = random.getstate()
     np_state = np.random.get_state(legacy=False)
     state = {
@@ -79,8 +92,8 @@ def rng_state() -> dict:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -98,14 +111,15 @@ def set_rng_state(state: dict) -> None:
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 # --- save and load ----------------------------------------------------------------------------
 
 
 def _write_errors() -> tuple[type[BaseException], ...]:
-    """What a failed write raises: OSError from Python, RuntimeError from torch.save, safetensors' own."""
+    """What a failed write raises: OSError from Python, RuntimeError from torch.save (and
+    opsd.distributed.PeerError: another rank's failure), safetensors' own."""
     errors: tuple[type[BaseException], ...] = (OSError, RuntimeError)
     try:
         from safetensors import SafetensorError
@@ -114,6 +128,15 @@ def _write_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return errors
+
+
+def _cause(err: BaseException, rank: int) -> BaseException:
+    """The exception inside torch.distributed.checkpoint's wrapper (this rank's, else the first)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(err, CheckpointException) or not err.failures:
+        return err
+    return (err.failures.get(rank) or next(iter(err.failures.values())))[0]
 
 
 def save_checkpoint(
@@ -125,55 +148,106 @@ def save_checkpoint(
     *,
     keep_last: int,
     save_merged: bool = False,
+    optimizer: torch.optim.Optimizer | None = None,
+    rank_state: dict | None = None,
+    tensors: dict[str, Tensor] | None = None,
 ) -> Path:
     """Write everything needed to resume exactly; returns the checkpoint directory.
 
-    A failed write (full disk, I/O error) raises :class:`TrainingError` after removing the
+    ``state`` is shared by all ranks (rank 0's is written), ``rank_state`` is this rank's own (its
+    RNG state is added); the trainable weights, ``optimizer`` and ``tensors`` go to ``dcp/``. Collective under torchrun:
+    every rank calls it, and rank 0 writes the Hugging Face export from gathered weights. A failed
+    write (full disk, I/O error) on any rank raises :class:`TrainingError` after removing the
     temporary directory; earlier checkpoints are never touched before the new one is complete.
     """
+    rank, _ = rank_world()
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    clean_partial(run_dir)
     final = root / f"{PREFIX}{step:06d}"
-    tmp = root / f"{TMP_PREFIX}{final.name}-{int(time.time() * 1e6)}"
-    try:
-        tmp.mkdir()
-        model.save_pretrained(tmp / "model", safe_serialization=True)
+    if rank == 0:
+        clean_partial(run_dir)
+    weights, merged = _export_weights(model, save_merged)
+
+    def export(tmp: Path) -> None:
+        model.save_pretrained(tmp / "model", safe_serialization=True, **weights)
         tokenizer.save_pretrained(tmp / "model")
-        if save_merged and hasattr(model, "peft_config"):
-            _save_merged(model, tmp / "merged")
+        if merged is not None:
+            base_model(model).save_pretrained(tmp / "merged", state_dict=merged, safe_serialization=True)
             tokenizer.save_pretrained(tmp / "merged")
-        torch.save(state, tmp / "state.pt")
-    except _write_errors() as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        mine = {**(rank_state or {}), "rng": rng_state()}
+        save_distributed(final, model, optimizer, mine, state, tensors=tensors, export=export)
+    except BaseException as err:
+        cause = _cause(err, rank)
+        if cause is err and not isinstance(err, _write_errors()):
+            raise
+        if not isinstance(cause, _write_errors()):
+            raise cause from err  # e.g. a KeyboardInterrupt inside torch.distributed.checkpoint
         previous = latest_checkpoint(run_dir)
         intact = (
             f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
         )
         raise TrainingError(
-            f"writing checkpoint step {step} to {root} failed (disk full?): {type(err).__name__}: "
-            f"{' '.join(str(err).split())}; {intact}"
+            f"writing checkpoint step {step} to {root} failed (disk full?): {type(cause).__name__}: "
+            f"{' '.join(str(cause).split())}; {intact}"
         ) from err
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
-        replaced = root / f"{TMP_PREFIX}old-{tmp.name.removeprefix(TMP_PREFIX)}"
-        final.rename(replaced)
-        tmp.rename(final)
-        shutil.rmtree(replaced, ignore_errors=True)
-    else:
-        tmp.rename(final)
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    if rank == 0:
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _save_merged(peft_model: nn.Module, out: Path) -> None:
-    """A plain HF model with the adapter folded in; the live weights are left bit-identical."""
-    peft_model.get_base_model().save_pretrained(
-        out, state_dict=merged_state_dict(peft_model), safe_serialization=True
-    )
+def _export_weights(model: nn.Module, save_merged: bool) -> tuple[dict, dict[str, Tensor] | None]:
+    """What the Hugging Face export writes: ``save_pretrained`` keyword arguments for ``model/``
+    and the merged weights for ``merged/`` (LoRA folded in out of place, the live weights untouched).
+
+    Unsharded, ``save_pretrained`` reads the live model. Sharded, this is collective and rank 0
+    gets the gathered full weights (the others empty dicts).
+    """
+    lora = hasattr(model, "peft_config")
+    if not is_sharded(model):
+        return {}, merged_state_dict(model) if save_merged and lora else None
+    weights = {"state_dict": gather_full_state_dict(model, trainable_only=lora)}
+    return weights, _gather_on_rank0(merged_state_dict(model)) if save_merged and lora else None
+
+
+def _gather_on_rank0(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Collective: each sharded tensor gathered in turn; rank 0 keeps CPU copies, the others nothing."""
+    from torch.distributed.tensor import DTensor
+
+    rank, _ = rank_world()
+    out = {}
+    for k, v in sd.items():
+        full = v.full_tensor() if isinstance(v, DTensor) else v
+        if rank == 0:
+            out[k] = full.cpu()
+    return out
+
+
+def load_checkpoint(
+    ckpt: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    tensors: dict[str, Tensor] | None = None,
+    seed: int = 0,
+) -> tuple[dict, dict]:
+    """Load a checkpoint in place into the live model, optimizer and ``tensors``, resharded to this
+    run's ranks (collective under torchrun), and restore this rank's RNG state; a rank the saving
+    run did not have is seeded with ``seed`` instead. Returns the shared state and this rank's own
+    (empty for a new rank)."""
+    ckpt = Path(ckpt)
+    if not (ckpt / "dcp").is_dir():
+        raise UserError(
+            f"{ckpt}: no dcp/ directory; it was written by an earlier opsd version in another "
+            "layout. Resume it with that version, or start the run again"
+        )
+    loaded = load_distributed(ckpt, model, optimizer, tensors=tensors)
+    if loaded.rank_state is None:
+        torch.manual_seed(seed)
+        return loaded.shared_state, {}
+    set_rng_state(loaded.rank_state["rng"])
+    return loaded.shared_state, loaded.rank_state
 
 
 def load_state(ckpt: Path, device: torch.device | str = "cpu") -> dict:
@@ -188,16 +262,3 @@ def load_state(ckpt: Path, device: torch.device | str = "cpu") -> dict:
             f"{path}: refused to load, it holds more than tensors and plain data (written by an older "
             f"opsd, or not by opsd); only load checkpoints you trust. {detail}".rstrip()
         ) from err
-
-
-def load_model_weights(model: nn.Module, model_dir: Path, *, lora: bool) -> None:
-    """Load a checkpoint's ``model/`` into the live model: the adapter with LoRA, else all weights."""
-    from safetensors.torch import load_file
-
-    if lora:
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, load_file(model_dir / "adapter_model.safetensors"))
-    else:
-        fresh = type(model).from_pretrained(model_dir, torch_dtype=model.dtype)
-        model.load_state_dict(fresh.state_dict())

@@ -59,7 +59,7 @@ class DataConfig(_Section):
 
 class RolloutConfig(_Section):
     engine: Literal["hf", "vllm"] = "hf"
-    prompts_per_step: int = Field(8, ge=1)
+    prompts_per_step: int = Field(8, ge=1)  # the global batch: under torchrun each rank draws its share
     n: int = Field(1, ge=1)  # responses per prompt
     temperature: float = Field(1.1, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -75,6 +75,18 @@ class RolloutConfig(_Section):
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the trainer model's dtype
     max_model_len: int | None = Field(None, ge=1)  # vLLM context; None: data.max_prompt_len + max_new_tokens
     vllm_kwargs: dict[str, Any] = {}  # vLLM: extra vllm.LLM() arguments, e.g. enforce_eager: true
+
+    def prompts_per_rank(self, world_size: int) -> int:
+        """Each rank's share of ``prompts_per_step``; the global batch must split evenly, so that
+        changing the number of ranks never silently changes the effective batch."""
+        p = self.prompts_per_step
+        if p % world_size:
+            near = max(world_size, round(p / world_size) * world_size)
+            raise UserError(
+                f"rollout.prompts_per_step={p} is the global batch and must be a multiple of the "
+                f"{world_size} ranks, e.g. rollout.prompts_per_step={near}"
+            )
+        return p // world_size
 
 
 class LossConfig(_Section):
@@ -101,7 +113,18 @@ class TeacherConfig(_Section):
     path: str | None = None  # external teacher model
     privileged: bool = True  # put the reference solution in the teacher's context
     solution_source: Literal["own", "other"] = "own"  # other: the next row's solution (a control)
-    frozen_copy: Literal["device", "cpu", "none"] = "device"  # full fine-tuning + fixed: where the copy lives
+    # full fine-tuning + fixed: where the frozen copy lives. Under torchrun it is FSDP-sharded like the
+    # student, on the GPUs (device) or with its shards offloaded to CPU memory (cpu).
+    frozen_copy: Literal["device", "cpu", "none"] = "device"
+
+
+class ParallelConfig(_Section):
+    """How `opsd train` spreads over the processes torchrun starts; one process without torchrun ignores it."""
+
+    replicate: int = Field(1, ge=1)  # HSDP: shard within world_size/replicate ranks (a node), replicate across
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype of gathered weights; auto: as stored
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are summed over ranks in
+    timeout_s: int | None = Field(None, ge=1)  # a collective waiting longer fails; None: torch's default
 
 
 class GRPOConfig(_Section):
@@ -164,6 +187,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
     @field_validator("device")
     @classmethod

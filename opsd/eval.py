@@ -440,7 +440,7 @@ class EvalRunConfig(BaseModel):
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     k: int = Field(1, ge=1)  # samples per problem (Avg@k, pass@k)
     # opsd.grading.GRADERS: math-verify on the last \\boxed{}, or on its own extraction from the response
-    grader: Literal["boxed", "lenient"] = "boxed"
+    grader: Literal["math", "lenient"] = "math"
     out: str | None = None  # output dir; None: runs/eval-<data>-<time>
     model: EvalModelConfig
     data: EvalDataConfig
@@ -543,7 +543,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--data", help="data.path: JSONL/JSON/Parquet/CSV file or save_to_disk dir")
     p.add_argument("--k", type=int, help="k: samples per problem (Avg@k, pass@k); default 1")
-    p.add_argument("--grader", help="grader: boxed (default; math-verify on the last \\boxed{}) or lenient")
+    p.add_argument("--grader", help="grader: math (default; math-verify on the last \\boxed{}) or lenient")
     p.add_argument("--temperature", type=float, help="rollout.temperature (default 0.6; 0 = greedy)")
     p.add_argument("--top-p", type=float, help="rollout.top_p (default 0.95)")
     p.add_argument("--max-new-tokens", type=int, help="rollout.max_new_tokens (default 1024)")

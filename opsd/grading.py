@@ -182,8 +182,8 @@ def grade_lenient(response: str, gold: str) -> Grade:
         return Grade(False, None, f"lenient grading failed: {type(e).__name__}: {str(e)[:200]}")
 
 
-# The graders `opsd eval` can be told to use by name (its `grader` key).
-GRADERS: dict[str, Grader] = {"boxed": grade, "lenient": grade_lenient}
+# The graders by name: `opsd eval`'s `grader` key (and the GRPO reward's `grpo.grader`) use these names.
+GRADERS: dict[str, Grader] = {"math": grade, "lenient": grade_lenient}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

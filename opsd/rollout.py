@@ -32,6 +32,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from opsd.distributed import is_sharded
 from opsd.errors import UserError
 from opsd.models import merged_state_dict
 
@@ -187,7 +188,12 @@ class _Recorder(StoppingCriteria):
 
 
 class HFEngine:
-    """Batched transformers generation with left padding and KV cache, on the trainer's model object."""
+    """Batched transformers generation with left padding and KV cache, on the trainer's model object.
+
+    On an FSDP-sharded model every rank must call ``generate`` as often as the others (each forward
+    gathers weights from all ranks); ``synced_gpus`` keeps a rank whose batch finished early running
+    forwards until every rank's batch has finished.
+    """
 
     def __init__(self, model, tokenizer, batch_size: int = 32) -> None:
         if batch_size < 1:
@@ -268,6 +274,7 @@ class HFEngine:
             generation_config=gen_config,
             logits_processor=LogitsProcessorList([warp]),
             stopping_criteria=StoppingCriteriaList([rec]),
+            synced_gpus=is_sharded(self.model),
         )
         gen = seqs[:, width:].cpu()
         logprobs = torch.stack(rec.logprobs, dim=1).cpu() if rec.logprobs else torch.zeros(len(batch), 0)

@@ -8,21 +8,34 @@ forward pass and hands back only its **final hidden states at the response posit
 Modes: ``fixed`` (initial policy: LoRA adapter disabled, or a frozen copy), ``ema`` (moving
 average of the student), ``live`` (current policy, no grad), ``external`` (another model with
 the same tokenizer). None of them ever receives a gradient.
+
+Under torchrun the student is FSDP-sharded, and so is a separate teacher network (the frozen
+copy or the external model); forwards go through :func:`opsd.distributed.forward_hidden` so that
+FSDP gathers the weights.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
-from opsd.models import base_model, check_plain_head, final_hidden, head_weight
+from opsd.distributed import forward_hidden, full_head_weight, is_sharded, reshard
+from opsd.errors import UserError
+from opsd.models import base_model, check_plain_head, load_model, load_tokenizer
 
 
 class Teacher:
-    """Scores responses with privileged context; holds whatever state its mode needs."""
+    """Scores responses with privileged context; holds whatever state its mode needs.
+
+    ``shard(module, cpu_offload)`` FSDP-shards a module in place (under torchrun). The order is
+    fixed, so the teacher does it: the frozen copy is taken from the unsharded student, then the
+    separate teacher network and the student are sharded, then the EMA snapshot is taken of the
+    sharded student (so it is sharded like it).
+    """
 
     def __init__(
         self,
@@ -33,6 +46,7 @@ class Teacher:
         ema_decay: float = 0.999,
         external: nn.Module | None = None,
         frozen_copy: str = "device",
+        shard: Callable[[nn.Module, bool], nn.Module] | None = None,
     ) -> None:
         self.mode, self.student, self.lora, self.decay = mode, student, lora, ema_decay
         self.model: nn.Module | None = None  # a separate teacher network, when there is one
@@ -46,12 +60,27 @@ class Teacher:
         elif mode == "fixed" and not lora:
             self.model = copy.deepcopy(base_model(student)).requires_grad_(False).eval()
             self.offload = frozen_copy == "cpu"
-            if self.offload:
+            if self.offload and shard is None:
                 self.model.to("cpu")
-        elif mode == "ema":
-            self.ema = [p.detach().clone() for p in self._trainable()]
-        elif mode not in ("fixed", "live"):
+        elif mode not in ("fixed", "live", "ema"):
             raise ValueError(f"unknown teacher mode {mode!r}: expected fixed, ema, live or external")
+        if shard is not None:
+            if self.model is not None:
+                shard(self.model, self.offload)
+                self.offload = False  # FSDP keeps the offloaded shards and gathers them per layer
+            shard(student, False)
+        if mode == "ema":
+            self.ema = [p.detach().clone() for p in self._trainable()]
+
+    @staticmethod
+    def load_external(path: str, student_path: str, student_vocab: dict, **load_kwargs) -> nn.Module:
+        """An external teacher model; it must share the student's vocabulary token for token."""
+        if load_tokenizer(path).get_vocab() != student_vocab:
+            raise UserError(
+                f"teacher.path={path}: its tokenizer differs from the student's ({student_path}); "
+                "an external teacher must share the student's vocabulary token for token"
+            )
+        return load_model(path, **load_kwargs)
 
     def _trainable(self) -> list[nn.Parameter]:
         return [p for p in self.student.parameters() if p.requires_grad]
@@ -71,15 +100,15 @@ class Teacher:
             with self.student.disable_adapter():
                 yield self.student
         elif self.mode == "ema":
-            params = self._trainable()
-            saved = [p.data for p in params]
-            for p, e in zip(params, self.ema):
-                p.data = e
+            params, sharded = self._trainable(), is_sharded(self.student)
+            # FSDP gathers from the sharded storage and ignores a ``.data`` swap: copy in place there.
+            saved = [p.detach().clone() if sharded else p.data for p in params]
+            _put(params, self.ema, in_place=sharded)
             try:
                 yield self.student
             finally:
-                for p, s in zip(params, saved):
-                    p.data = s
+                reshard(self.student)  # FSDP: the gathered root holds EMA values; the student re-gathers
+                _put(params, saved, in_place=sharded)
         else:  # live
             yield self.student
 
@@ -87,11 +116,20 @@ class Teacher:
     def score(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Teacher hidden states at the response positions ``[R, H]`` and its lm_head weight."""
         with self._as_teacher(input_ids.device) as model:
-            hidden = final_hidden(model, input_ids, attention_mask, positions)
-            # ``.data`` taken inside the context: the EMA swap or CPU offload is undone on exit,
-            # but this tensor keeps pointing at the teacher's weights (no copy needed).
-            weight = head_weight(model).data
+            hidden = forward_hidden(model, input_ids, attention_mask, positions)
+            # Taken inside the context: the EMA swap or CPU offload is undone on exit, but this tensor
+            # keeps pointing at the teacher's weights (no copy needed), except for a sharded EMA
+            # teacher, whose gathered head is freed on exit.
+            weight = full_head_weight(model).detach()
+            if self.mode == "ema" and is_sharded(self.student):
+                weight = weight.clone()
         return hidden, weight
+
+    def release(self) -> None:
+        """After the step's micro-batches: free a sharded teacher network's gathered root (it never
+        runs a backward, which is when FSDP would free it)."""
+        if self.model is not None:
+            reshard(self.model)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -100,10 +138,14 @@ class Teacher:
             for e, p in zip(self.ema, self._trainable()):
                 e.lerp_(p.detach(), 1 - self.decay)
 
-    def state_dict(self) -> dict:
-        return {"ema": [e.cpu() for e in self.ema]} if self.mode == "ema" else {}
+    def tensors(self) -> dict[str, Tensor]:
+        """The state a checkpoint must hold (the EMA weights, sharded like the student), by name."""
+        return {f"teacher.ema.{i}": e for i, e in enumerate(self.ema)}
 
-    def load_state_dict(self, state: dict) -> None:
-        if self.mode == "ema":
-            for e, s in zip(self.ema, state["ema"]):
-                e.copy_(s)
+
+def _put(params: list[nn.Parameter], values: list[Tensor], *, in_place: bool) -> None:
+    for p, v in zip(params, values):
+        if in_place:
+            p.detach().copy_(v)
+        else:
+            p.data = v

@@ -251,7 +251,9 @@ def test_cli_prints_the_table(monkeypatch, capsys, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # A shortened demo, end to end, against its control
 
-SHORT = dict(sft_steps=250, opsd_steps=120, eval_every=120, n_heldout=200, n_sft=2000, n_train=2000)
+# 200 OPSD steps: held-out accuracy first dips (the optimizer restart, docs/demo.md), so a shorter run
+# may end below where it started. Seed 0 reads 2.5% -> 20.0% (teacher 99.0%) on the pinned torch.
+SHORT = dict(sft_steps=250, opsd_steps=200, eval_every=200, n_heldout=200, n_sft=2000, n_train=2000)
 
 
 @pytest.mark.slow
@@ -284,5 +286,5 @@ def test_short_demo_gains_and_its_control_does_not(tmp_path):
     assert (run_dir / "demo.png").stat().st_size > 0 and r["plot"] == str(run_dir / "demo.png")
     assert (run_dir / "checkpoints").is_dir() and (run_dir / "config.yaml").is_file()
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 120]
+    assert [e["step"] for e in evals] == [0, 200]
     assert len(list(cache.glob("base-*"))) == 1  # the control reused the cached base model

@@ -270,7 +270,7 @@ def test_config_file_and_overrides(tmp_path: Path, tiny_model_dir: Path) -> None
     cfg = load_config(cfg_path, ["rollout.temperature=0", "data.limit=2"], schema=EvalRunConfig)
     assert cfg.model.path == [str(tiny_model_dir)] and cfg.k == 4
     assert cfg.rollout.temperature == 0 and cfg.data.limit == 2 and cfg.rollout.top_p == 0.95
-    assert cfg.grader == "boxed"
+    assert cfg.grader == "math"
     assert load_config(cfg_path, ["grader=lenient"], schema=EvalRunConfig).grader == "lenient"
 
     p = argparse.ArgumentParser()

@@ -214,4 +214,4 @@ def test_grade_lenient(response: str, gold: str, expected: bool) -> None:
 
 
 def test_graders_by_name() -> None:
-    assert GRADERS == {"boxed": grade, "lenient": grade_lenient}
+    assert GRADERS == {"math": grade, "lenient": grade_lenient}

@@ -36,6 +36,9 @@ Three implementations:
 * :func:`vocab_parallel_distill` (``vocab_parallel.py``) -- logits sharded over a
   tensor-parallel group.
 
+And the GRPO objective's :func:`fused_linear_policy_gradient` (``policy_gradient.py``), the
+sampled-token kernel with a given advantage.
+
 Only ``spec.py`` is imported eagerly (``opsd.config`` uses it and must not import torch); the
 others load on first use.
 """
@@ -49,6 +52,7 @@ from opsd.loss.spec import CLIP_MODES, MODES, REDUCTIONS, DistillSpec, LossStats
 
 if TYPE_CHECKING:
     from opsd.loss.fused import auto_chunk_size, fused_linear_distill
+    from opsd.loss.policy_gradient import fused_linear_policy_gradient
     from opsd.loss.reference import distill_loss_dense, per_token_loss_dense
     from opsd.loss.vocab_parallel import vocab_parallel_distill
 
@@ -58,9 +62,22 @@ _LAZY = {
     "distill_loss_dense": "reference",
     "per_token_loss_dense": "reference",
     "vocab_parallel_distill": "vocab_parallel",
+    "fused_linear_policy_gradient": "policy_gradient",
 }
 
-__all__ = ["CLIP_MODES", "MODES", "REDUCTIONS", "DistillSpec", "LossStats", *_LAZY]
+__all__ = [
+    "CLIP_MODES",
+    "MODES",
+    "REDUCTIONS",
+    "DistillSpec",
+    "LossStats",
+    "auto_chunk_size",
+    "fused_linear_policy_gradient",
+    "distill_loss_dense",
+    "fused_linear_distill",
+    "per_token_loss_dense",
+    "vocab_parallel_distill",
+]
 
 
 def __getattr__(name: str):

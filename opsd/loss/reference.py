@@ -39,7 +39,9 @@ def clip_rows(ell: Tensor, clip_mode: str, clip: float) -> Tensor:
 
 def check_logits(zs: Tensor, zt: Tensor, targets: Tensor | None, mode: str) -> None:
     if zs.dim() != 2 or zt.dim() != 2:
-        raise ValueError(f"logits must be [N, V], got student {tuple(zs.shape)} and teacher {tuple(zt.shape)}")
+        raise ValueError(
+            f"logits must be [N, V], got student {tuple(zs.shape)} and teacher {tuple(zt.shape)}"
+        )
     if zs.shape[0] != zt.shape[0]:
         raise ValueError(f"student has {zs.shape[0]} rows but teacher has {zt.shape[0]}")
     if zs.shape[1] != zt.shape[1]:
