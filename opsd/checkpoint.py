@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from opsd.distributed import (
+    TMP_PREFIX,
     gather_full_state_dict,
     is_sharded,
     load_distributed,
@@ -39,7 +40,6 @@ from opsd.errors import TrainingError, UserError
 from opsd.models import base_model, merged_state_dict
 
 PREFIX = "step_"
-TMP_PREFIX = ".tmp-"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

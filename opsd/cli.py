@@ -24,6 +24,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from opsd.config import load_config
+    from opsd.distributed import init_distributed, shutdown
+    from opsd.models import resolve_device
     from opsd.trainer import Trainer
 
     overrides = list(args.overrides)
@@ -36,9 +38,18 @@ def _run_train(args: argparse.Namespace) -> int:
     if config is None:
         raise UserError("--config is required (or --resume RUN_DIR)")
     cfg = load_config(config, overrides)
-    trainer = Trainer(cfg, resume=args.resume is not None, overwrite=args.overwrite)
-    trainer.train()
-    print(f"run directory: {trainer.run_dir}", file=sys.stderr)
+    resolve_device(cfg.device)  # names a device this machine lacks before any process group starts
+    # Under torchrun: this rank's device, the process group and the FSDP mesh, before any rollout
+    # engine starts. One process without torchrun's environment gets none of them.
+    dist = init_distributed(cfg.device, replicate=cfg.parallel.replicate, timeout_s=cfg.parallel.timeout_s)
+    try:
+        trainer = Trainer(cfg, resume=args.resume is not None, overwrite=args.overwrite, dist=dist)
+        trainer.train()
+    finally:
+        if dist.mesh is not None:  # only the group made here (one process's vLLM engine owns its own)
+            shutdown()
+    if dist.is_main:
+        print(f"run directory: {trainer.run_dir}", file=sys.stderr)
     return 0
 
 

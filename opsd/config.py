@@ -33,7 +33,7 @@ class LoraConfig(_Section):
 class ModelConfig(_Section):
     path: str = "smollm2-135m-instruct"  # HF name, local dir, or a short name from `opsd fetch-model`
     trust_remote_code: bool = False  # run the model repository's own Python code (only for repos you trust)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the hardware has bf16 matrix units
     attn_implementation: str | None = "sdpa"
     gradient_checkpointing: bool = False
     lora: LoraConfig = LoraConfig()
@@ -158,6 +158,7 @@ class LoggingConfig(_Section):
     sample_every: int = Field(10, ge=0)  # log decoded responses every K steps; 0 disables
     num_samples: int = Field(2, ge=1)
     progress: bool = True
+    step_lines: bool = True  # a console line per step under the progress bar (false: the bar only)
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "opsd"

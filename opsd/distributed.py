@@ -449,6 +449,7 @@ def pad_microbatches(mbs: list[MicroBatch], pad_id: int, device: torch.device | 
 _DCP_DIR = "dcp"
 _SHARED = "state.pt"  # also what opsd.checkpoint.list_checkpoints looks for
 _META = "distributed.json"
+TMP_PREFIX = ".tmp-"  # a directory being written; opsd.checkpoint.clean_partial removes leftovers
 
 
 def _rank_file(rank: int) -> str:
@@ -513,8 +514,6 @@ def save_distributed(
     directory is removed. Works without a process group (one process).
     """
     import torch.distributed.checkpoint as dcp
-
-    from opsd.checkpoint import TMP_PREFIX
 
     final = Path(ckpt_dir)
     tmp = final.parent / f"{TMP_PREFIX}{final.name}"

@@ -592,3 +592,25 @@ def run_eval(args: argparse.Namespace) -> int:
     print(format_table(results))
     print(f"wrote {out}/summary.json and per-item JSONL")
     return 0
+
+
+def evaluate_sharded(model, tokenizer, examples: list[Example], *, rank: int, world: int, k: int, **kw) -> EvalResult:
+    """:func:`evaluate_model` with the examples split over data-parallel ranks and the counts summed.
+
+    Each rank grades an equal share, topped up with uncounted repeats (sharded generation must run
+    in step on every rank); the returned result's figures are global, its ``items`` this rank's.
+    """
+    from dataclasses import replace
+
+    from opsd.distributed import all_reduce_sum
+
+    share = -(-len(examples) // world)
+    mine = examples[rank * share : (rank + 1) * share]
+    res = evaluate_model(model, tokenizer, mine + examples[: share - len(mine)], k=k, **kw)
+    rows = [[1, sum(it["correct"]), it[f"pass@{k}"], sum(it["response_tokens"]), it["finish_reasons"].count("length"),
+             it["extracted"].count(None), len(it["errors"]) - it["errors"].count(None)] for it in res.items[: len(mine)]]
+    sums = torch.tensor(rows, dtype=torch.float64).reshape(-1, 7).sum(0)
+    n, right, passed, length, cut, none, errors = all_reduce_sum(sums).tolist()
+    return replace(res, items=res.items[: len(mine)], num_problems=int(n), avg_at_k=right / (n * k),
+                   pass_at_k=passed / n, resp_len_mean=length / (n * k), truncated_frac=cut / (n * k),
+                   no_answer_frac=none / (n * k), grading_errors=int(errors))

@@ -85,6 +85,14 @@ def format_step_line(rec: dict) -> str:
     return line + (" | " + " ".join(evals) if evals else "")
 
 
+def show_step(bar, rec: dict, *, lines: bool = True) -> None:
+    """Advance the progress bar, with the loss in its postfix, and print the step's line under it."""
+    bar.update(1)
+    bar.set_postfix(loss=f"{rec['loss']:.4f}", div=f"{rec['divergence']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+    if lines:
+        tqdm.write(format_step_line(rec), file=sys.stderr)
+
+
 def write_samples(path: Path, step: int, examples: list, responses: list[str], finish_reasons: list[str]) -> None:
     """Append decoded responses to ``samples.jsonl``; print the first one."""
     with path.open("a") as f:

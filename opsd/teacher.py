@@ -31,7 +31,7 @@ from opsd.models import base_model, check_plain_head, load_model, load_tokenizer
 class Teacher:
     """Scores responses with privileged context; holds whatever state its mode needs.
 
-    ``shard(module, cpu_offload)`` FSDP-shards a module in place (under torchrun). The order is
+    ``shard(module, cpu_offload=False)`` FSDP-shards a module in place (under torchrun). The order is
     fixed, so the teacher does it: the frozen copy is taken from the unsharded student, then the
     separate teacher network and the student are sharded, then the EMA snapshot is taken of the
     sharded student (so it is sharded like it).
@@ -46,7 +46,7 @@ class Teacher:
         ema_decay: float = 0.999,
         external: nn.Module | None = None,
         frozen_copy: str = "device",
-        shard: Callable[[nn.Module, bool], nn.Module] | None = None,
+        shard: Callable[..., nn.Module] | None = None,
     ) -> None:
         self.mode, self.student, self.lora, self.decay = mode, student, lora, ema_decay
         self.model: nn.Module | None = None  # a separate teacher network, when there is one
@@ -65,10 +65,10 @@ class Teacher:
         elif mode not in ("fixed", "live", "ema"):
             raise ValueError(f"unknown teacher mode {mode!r}: expected fixed, ema, live or external")
         if shard is not None:
-            if self.model is not None:
-                shard(self.model, self.offload)
-                self.offload = False  # FSDP keeps the offloaded shards and gathers them per layer
-            shard(student, False)
+            if self.model is not None:  # FSDP offloads the shards and gathers them per layer (GPU runs only)
+                shard(self.model, cpu_offload=self.offload and self.model.device.type == "cuda")
+                self.offload = False
+            shard(student)
         if mode == "ema":
             self.ema = [p.detach().clone() for p in self._trainable()]
 

@@ -1,11 +1,7 @@
-"""The OPSD trainer. ``Trainer.step`` is the whole algorithm, top to bottom.
-
-    draw problems -> student rollouts -> splice responses after both prompts -> per micro-batch:
-    teacher hidden states (no grad) -> student hidden states -> chunked fused-linear loss ->
-    backward -> clip -> AdamW step -> LR schedule -> teacher update / weight sync
-
-Everything else (loading, checkpoints, the run directory, metrics) sits behind named functions in
-the modules it imports.
+"""The OPSD trainer. ``Trainer.step`` is the whole algorithm, top to bottom: draw problems -> student
+rollouts -> splice responses after both prompts -> per micro-batch: teacher hidden states (no grad) ->
+student hidden states -> chunked fused-linear loss -> backward -> clip -> AdamW -> schedule -> teacher
+update / weight sync. Everything else sits behind named functions in the modules it imports.
 """
 
 from __future__ import annotations
@@ -15,36 +11,21 @@ import sys
 import time
 import warnings
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm.auto import tqdm
 
-from opsd import checkpoint, distributed
+from opsd import checkpoint, distributed, metrics, models
 from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.distributed import all_reduce_sum, forward_hidden, full_head_weight, pad_microbatches
 from opsd.errors import TrainingError
-from opsd.loss import LossStats, fused_linear_distill
-from opsd.metrics import (
-    MetricsWriter,
-    StepTimer,
-    format_step_line,
-    peak_memory_gb,
-    step_record,
-    write_samples,
-)
-from opsd.models import (
-    DTYPES,
-    apply_lora,
-    check_plain_head,
-    enable_gradient_checkpointing,
-    load_model,
-    load_tokenizer,
-    resolve_device,
-)
+from opsd.loss import LossStats, fused_linear_distill, fused_linear_policy_gradient
 from opsd.optim import make_optimizer
+from opsd.rewards import flat_group_fraction, group_advantages, make_reward
 from opsd.rollout import SamplingParams, make_engine
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
 from opsd.teacher import Teacher
@@ -55,26 +36,25 @@ __all__ = ["Trainer", "TrainingError"]
 class Trainer:
     """Builds everything from a :class:`Config`, then ``train()``.
 
-    ``resume=True`` continues the latest checkpoint in ``logging.run_dir`` exactly;
-    ``overwrite=True`` deletes an existing run directory first. Without either, an existing
-    run directory is refused. ``dist`` is this process's place among torchrun's ranks
-    (:func:`opsd.distributed.init_distributed`); without it the trainer is one process on
-    ``cfg.device``, whatever process group may exist.
+    ``resume=True`` continues the latest checkpoint in ``logging.run_dir`` exactly; ``overwrite=True``
+    deletes an existing run directory first; without either, an existing run directory is refused.
+    ``dist``: this process's place among torchrun's ranks (:func:`opsd.distributed.init_distributed`);
+    without it the trainer is one process on ``cfg.device``, whatever process group may exist.
     """
 
     def __init__(self, cfg: Config, *, resume: bool = False, overwrite: bool = False, dist: distributed.Dist | None = None) -> None:
-        self.cfg, self.dist = cfg, dist or distributed.Dist(device=resolve_device(cfg.device))
+        self.cfg, self.dist = cfg, dist or distributed.Dist(device=models.resolve_device(cfg.device))
         self.rank, self.world, self.device = self.dist.rank, self.dist.world_size, self.dist.device
         self.run_dir = Path(cfg.logging.run_dir)
         torch.manual_seed(cfg.seed)  # the same on every rank: LoRA's initial weights must agree before sharding
         # Run directory, data, tokenizer and model: a failure on any rank ends every rank with its message.
         distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
-        m = cfg.model
-        self.teacher = Teacher(
-            cfg.teacher.mode, self.model, lora=m.lora.enabled, ema_decay=cfg.teacher.ema_decay,
-            external=self._external, frozen_copy=cfg.teacher.frozen_copy,
-            shard=self._shard if self.dist.mesh is not None else None,
-        )
+        par = cfg.parallel  # under torchrun: FSDP2 over the mesh, in the mixed precision asked for ("auto" -> None: as stored)
+        shard = None if self.dist.mesh is None else partial(distributed.shard_model, mesh=self.dist.mesh,
+                                                            param_dtype=models.DTYPES.get(par.param_dtype), reduce_dtype=models.DTYPES[par.reduce_dtype])
+        self.reward = make_reward(cfg.grpo.grader) if cfg.objective == "grpo" else None
+        self.teacher = Teacher("live" if self.reward else cfg.teacher.mode, self.model, lora=cfg.model.lora.enabled, ema_decay=cfg.teacher.ema_decay,
+                               external=self._external, frozen_copy=cfg.teacher.frozen_copy, shard=shard)
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
         self.spec = cfg.loss.to_spec(cfg.rollout.temperature)
@@ -82,12 +62,10 @@ class Trainer:
         o = cfg.optim
         self.optimizer, self.scheduler = make_optimizer(
             self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, warmup=o.warmup_steps,
-            total=o.max_steps, schedule=o.scheduler, min_ratio=o.min_lr_ratio,
-        )
+            total=o.max_steps, schedule=o.scheduler, min_ratio=o.min_lr_ratio)
         self.engine = distributed.run_setup(lambda: make_engine(cfg.rollout, self.model, self.tokenizer, seed=cfg.seed,
                                                     max_prompt_len=cfg.data.max_prompt_len), "rollout engine start")
-        self.step_num = 0
-        self.bad_steps = 0
+        self.step_num = self.bad_steps = 0
         self.stop = GracefulStop()
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
@@ -101,43 +79,47 @@ class Trainer:
                             has_checkpoint=checkpoint.latest_checkpoint(self.run_dir) is not None)
             checkpoint.clean_partial(self.run_dir)
         # Data: rows, a resumable cursor sharded by rank, prompts tokenized once per example.
+        grpo = cfg.objective == "grpo"  # the RL baseline: rewards from the answers, no privileged information
         report = load_examples(
-            d.path, problem_key=d.problem_key, solution_key=d.solution_key if cfg.teacher.privileged else None,
+            d.path, problem_key=d.problem_key, solution_key=d.solution_key if cfg.teacher.privileged and not grpo else None,
             answer_key=d.answer_key, split=d.split, skip_bad_rows=d.skip_bad_rows,
-            drop_empty_solution=d.drop_empty_solution,
+            drop_empty_solution=d.drop_empty_solution, require_answer=grpo,
         )
         self.examples = report.examples
+        if cfg.teacher.solution_source == "other":  # a control: each problem comes with the next row's solution
+            self.examples = [replace(ex, solution=self.examples[(i + 1) % len(self.examples)].solution)
+                             for i, ex in enumerate(self.examples)]
         self.data_report = {"rows": len(report.examples), "skipped_bad": report.skipped_bad,
                             "empty_solution": report.empty_solution, "dropped_empty": report.dropped_empty}
         self.cursor = DataCursor(len(self.examples), seed=cfg.seed, rank=self.rank, world_size=self.world,
                                  shuffle=d.shuffle)
-        self.eval_examples = self._load_eval_examples() if cfg.eval.path else []
+        # Held-out problems, validated at startup like the training data, so a bad file fails before any compute.
+        e = cfg.eval
+        self.eval_examples = load_examples(e.path, problem_key=d.problem_key, solution_key=None, answer_key=e.answer_key,
+                                           require_answer=True).examples[: e.limit] if e.path else []
         # Model: the student (LoRA or full), its tokenizer, and an external teacher.
-        self.tokenizer = load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
+        self.tokenizer = models.load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
         self.prompts = PromptBuilder.from_config(self.tokenizer, d, privileged=cfg.teacher.privileged)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.model = load_model(m.path, dtype=m.dtype, attn_implementation=m.attn_implementation,
+        self.dtype, why = models.pick_dtype(m.dtype, self.device)
+        if m.dtype == "auto" and self.rank == 0:
+            print(f"model.dtype=auto: {self.dtype} ({why})", file=sys.stderr)
+        self.model = models.load_model(m.path, dtype=self.dtype, attn_implementation=m.attn_implementation,
                                 device=str(self.device), trust_remote_code=m.trust_remote_code)
         if m.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model)
+            models.enable_gradient_checkpointing(self.model)
         if m.lora.enabled:
-            self.model = apply_lora(self.model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout,
+            self.model = models.apply_lora(self.model, r=m.lora.r, alpha=m.lora.alpha, dropout=m.lora.dropout,
                                     target_modules=m.lora.target_modules,
                                     gradient_checkpointing=m.gradient_checkpointing)
         self.model.train()
-        check_plain_head(self.model)
+        models.check_plain_head(self.model)
         self._external = Teacher.load_external(
-            cfg.teacher.path, m.path, self.tokenizer.get_vocab(), dtype=m.dtype,
+            cfg.teacher.path, m.path, self.tokenizer.get_vocab(), dtype=self.dtype,
             attn_implementation=m.attn_implementation, device=str(self.device),
-        ) if cfg.teacher.mode == "external" else None
+        ) if cfg.teacher.mode == "external" and not grpo else None
 
-    def _shard(self, module: nn.Module, cpu_offload: bool) -> nn.Module:
-        """FSDP2 over this run's mesh with the ``parallel:`` mixed-precision settings."""
-        p = self.cfg.parallel
-        return distributed.shard_model(module, self.dist.mesh, param_dtype=None if p.param_dtype == "auto" else DTYPES[p.param_dtype],
-                           reduce_dtype=DTYPES[p.reduce_dtype], cpu_offload=cpu_offload and self.device.type == "cuda")
-
-    def _start(self, resume: bool) -> MetricsWriter | None:
+    def _start(self, resume: bool) -> metrics.MetricsWriter | None:
         """Rank 0 records the config and the data report and opens the metrics sinks."""
         if self.rank != 0:
             return None
@@ -146,17 +128,15 @@ class Trainer:
         (self.run_dir / "data_report.json").write_text(json.dumps({"source": cfg.data.path, **r}))
         print(f"data: {r['rows']} rows from {cfg.data.path} (skipped {r['skipped_bad']} bad, "
               f"{r['empty_solution']} with empty privileged info, dropped {r['dropped_empty']})", file=sys.stderr)
-        return MetricsWriter(
-            self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project, config=cfg.model_dump(mode="json"), after_step=self.step_num,
-        )
+        return metrics.MetricsWriter(self.run_dir, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                             wandb_project=cfg.logging.wandb_project, config=cfg.model_dump(mode="json"), after_step=self.step_num)
 
     # ------------------------------------------------------------------------------------------
     # The step
 
     def step(self) -> dict:
         """One optimizer step of OPSD. Returns the step's metrics."""
-        cfg, timer, t_start = self.cfg, StepTimer(sync=self.device.type == "cuda"), time.perf_counter()
+        cfg, timer, t_start = self.cfg, metrics.StepTimer(sync=self.device.type == "cuda"), time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -171,21 +151,20 @@ class Trainer:
                    for c in completions if c.token_ids]
         tokens, seqs = all_reduce_sum(torch.tensor(
             [sum(s.response_len for s in samples), len(samples)], dtype=torch.float64)).tolist()
-        batches = make_microbatches(samples, max_tokens=cfg.optim.max_tokens_per_microbatch, pad_id=self.pad_id,
-                                    reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs,
-                                    device=self.device)
-        batches = pad_microbatches(batches, self.pad_id, self.device)  # as many on every rank, for FSDP
+        adv = self.advantages(completions, ex_idx) if self.reward else None  # GRPO: group-relative, per sample
+        batches = pad_microbatches(make_microbatches(  # padded to as many on every rank: FSDP's collectives match
+            samples, max_tokens=cfg.optim.max_tokens_per_microbatch, pad_id=self.pad_id, reduction=self.spec.reduction,
+            global_tokens=tokens, global_seqs=seqs, device=self.device), self.pad_id, self.device)
 
         # 4-7. Per micro-batch: the teacher scores the response, the student reads it, fused loss, backward.
         loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()
         for mb in batches:
-            with timer("teacher"):
-                t_hidden, t_head = self.teacher.score(mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
+            with timer("teacher"):  # GRPO has no teacher
+                t_hidden, t_head = self.teacher.score(mb.teacher_ids, mb.teacher_mask, mb.teacher_pos) if adv is None else (None, None)
             with timer("student"):
                 s_hidden = forward_hidden(self.model, mb.student_ids, mb.student_mask, mb.student_pos)
             with timer("loss"):
-                loss, st = fused_linear_distill(s_hidden, full_head_weight(self.model), t_hidden, t_head, mb.weights,
-                                                mb.targets, self.spec, chunk_size=cfg.loss.chunk_size)
+                loss, st = self.loss(s_hidden, t_hidden, t_head, mb, adv)
             with timer("student"):
                 loss.backward()
             loss_sum += loss.detach().double().cpu()
@@ -198,9 +177,30 @@ class Trainer:
         self._last = (completions, ex_idx)
         return self._record(loss_sum, stats, grad_norm, finite, completions, batches, timer, t_start)
 
+    def loss(self, s_hidden: Tensor, t_hidden: Tensor | None, t_head: Tensor | None, mb, adv: list[float] | None):
+        """The distillation loss against the teacher; with GRPO, the policy gradient ``-A log S(y)``."""
+        head = full_head_weight(self.model)
+        if adv is None:
+            return fused_linear_distill(s_hidden, head, t_hidden, t_head, mb.weights, mb.targets, self.spec,
+                                        chunk_size=self.cfg.loss.chunk_size)
+        a = torch.tensor([adv[i] for i, n in zip(mb.sample_indices, mb.response_lens) for _ in range(n)],
+                         dtype=mb.weights.dtype, device=mb.weights.device)
+        return fused_linear_policy_gradient(s_hidden, head, mb.targets, mb.weights * a,
+                                            temperature=self.spec.temperature, chunk_size=self.cfg.loss.chunk_size)
+
+    def advantages(self, completions: list, ex_idx: list[int]) -> list[float]:
+        """Each response's reward (its grade against the answer) minus its group's mean, one entry per
+        non-empty response (the samples); records the step's mean reward and flat-group fraction."""
+        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        rewards = [self.reward(t, self.examples[ex_idx[c.prompt_index]].answer) for t, c in zip(texts, completions)]
+        groups = [c.prompt_index for c in completions]
+        adv = group_advantages(rewards, groups, scale=self.cfg.grpo.scale_rewards)
+        self._grpo_sums = [sum(rewards), len(rewards), flat_group_fraction(rewards, groups) * len(set(groups)),
+                           len(set(groups))]
+        return [a for a, c in zip(adv, completions) if c.token_ids]
+
     def rollout(self, prompts: list[list[int]]) -> list:
-        """``rollout.n`` responses per prompt. The seed depends on the step and the rank only, so a
-        resumed run samples exactly what an uninterrupted one would (at the same number of ranks)."""
+        """``rollout.n`` responses per prompt, seeded by step and rank: a resume samples what a run would have."""
         r = self.cfg.rollout
         seed = (distributed.rank_seed(self.cfg.seed, self.rank) * 1_000_003 + self.step_num * 7919) % 2**63
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -211,11 +211,9 @@ class Trainer:
         return completions
 
     def optimizer_step(self, loss_sum: Tensor) -> tuple[Tensor, Tensor, bool]:
-        """Clip and step. Under FSDP the gradients arrive summed over ranks (the loss weights were
-        normalized by the global token count, so the sum is the one-big-batch gradient); the norm and
-        the loss are global, so every rank takes the same decision. A non-finite loss or gradient
-        skips the update but still consumes the batch and advances the LR schedule, so a resumed or
-        skipped run stays on the same data order and schedule."""
+        """Clip and step. FSDP summed the gradients over ranks (the loss weights are normalized by global token
+        counts); norm and loss are global, so all ranks decide alike. A non-finite loss or gradient skips the
+        update but still consumes the batch and advances the LR schedule (same data order and schedule)."""
         self.teacher.release()
         grad_norm = distributed.clip_grad_norm(self.params, self.cfg.optim.grad_clip or float("inf"))
         loss_sum = all_reduce_sum(loss_sum)
@@ -233,25 +231,27 @@ class Trainer:
         return loss_sum, grad_norm, finite
 
     def _record(self, loss_sum, stats, grad_norm, finite, completions, batches, timer, t_start) -> dict:
-        """The step's metrics over all ranks, from one sum: loss statistics, token counts, prompt
-        truncation, and every rank's response lengths and truncation flags (each rank fills its own
-        slots; every rank has as many completions)."""
+        """The step's metrics over all ranks, from one sum: loss statistics, token counts, prompt truncation,
+        and each rank's response lengths and truncation flags in its own slots (all ranks have as many)."""
         n, work = len(completions), [f"{k}_{w}_tokens" for k in ("teacher", "student") for w in ("real", "padded")]
         mine = torch.zeros(self.world, n, 2, dtype=torch.float64)
         mine[self.rank] = torch.tensor([[len(c.token_ids), c.finish_reason == "length"] for c in completions])
         counts = [sum(getattr(mb, w) for mb in batches) for w in work] + list(self.prompts.truncated.values())
+        counts += self._grpo_sums if self.reward else []  # reward sum and count, flat groups and groups
         parts = [stats.as_tensor(), torch.tensor(counts, dtype=torch.float64), mine.flatten()]
         total, counts, per_sample = all_reduce_sum(torch.cat(parts)).split([len(x) for x in parts])
-        stats, counts = LossStats.from_tensor(total), [int(x) for x in counts.tolist()]
+        stats, grpo, counts = LossStats.from_tensor(total), counts[6:].tolist(), [int(x) for x in counts[:6].tolist()]
         lens, cut = per_sample.view(-1, 2).long().T.tolist()
-        return step_record(
+        rec = metrics.step_record(
             step=self.step_num, loss=float(loss_sum), loss_stats=stats.means(), grad_norm=float(grad_norm),
             lr=self.scheduler.get_last_lr()[0], response_lens=lens, truncated=sum(cut), tokens=int(stats.tokens),
-            real_tokens={"teacher": counts[0], "student": counts[2]},
-            padded_tokens={"teacher": counts[1], "student": counts[3]},
+            real_tokens={"teacher": counts[0], "student": counts[2]}, padded_tokens={"teacher": counts[1], "student": counts[3]},
             skipped=not finite, prompt_truncated=dict(zip(self.prompts.truncated, counts[4:])), epoch=self.cursor.epoch,
-            times=timer.times, elapsed=time.perf_counter() - t_start, peak_mem_gb=peak_memory_gb(self.device),
+            times=timer.times, elapsed=time.perf_counter() - t_start, peak_mem_gb=metrics.peak_memory_gb(self.device),
         )
+        if grpo:
+            rec.update(reward_mean=grpo[0] / max(1, grpo[1]), flat_group_frac=grpo[2] / max(1, grpo[3]))
+        return rec
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -262,8 +262,7 @@ class Trainer:
         end = min(cfg.optim.max_steps, until_step or cfg.optim.max_steps)
         if self.step_num >= cfg.optim.max_steps and self.rank == 0:
             print(f"{self.run_dir} is complete: it reached optim.max_steps={cfg.optim.max_steps}. To train "
-                  f"further: opsd train --resume {self.run_dir} optim.max_steps=N (N > {self.step_num})",
-                  file=sys.stderr)
+                  f"further: opsd train --resume {self.run_dir} optim.max_steps=N (N > {self.step_num})", file=sys.stderr)
         history: list[dict] = []
         bar = tqdm(total=cfg.optim.max_steps, initial=self.step_num, desc="opsd train", unit="step",
                    disable=not cfg.logging.progress or self.rank != 0, dynamic_ncols=True)
@@ -277,12 +276,10 @@ class Trainer:
                     history.append(rec)
                     self._log(rec, bar)
                     if self.bad_steps >= cfg.optim.max_bad_steps:
-                        raise TrainingError(
-                            f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (limit "
-                            f"optim.max_bad_steps={cfg.optim.max_bad_steps}); stopping. Last good checkpoint: "
-                            f"{checkpoint.latest_checkpoint(self.run_dir) or 'none yet'}. Try a lower optim.lr, loss.clip, "
-                            "or model.dtype=float32."
-                        )
+                        raise TrainingError(f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (limit "
+                                            f"optim.max_bad_steps={cfg.optim.max_bad_steps}); stopping. Last good checkpoint: "
+                                            f"{checkpoint.latest_checkpoint(self.run_dir) or 'none yet'}. Try a lower optim.lr, "
+                                            "loss.clip, or model.dtype=float32.")
                     if distributed.any_rank(self.stop.requested is not None):  # a signal on any rank stops all after this step
                         self.stop.requested = self.stop.requested or "a signal to another rank"
                     every = cfg.checkpoint.every if cfg.checkpoint.enabled else 0
@@ -301,55 +298,31 @@ class Trainer:
                 self.metrics.close()
         return history
 
-    @property
-    def stopped(self) -> bool:
-        """True when the last ``train()`` ended on a Ctrl-C / SIGTERM."""
-        return self.stop.requested is not None
+    stopped = property(lambda self: self.stop.requested is not None, doc="The last ``train()`` ended on a signal.")
 
     def _log(self, rec: dict, bar) -> None:
-        if self.metrics is None:
-            return
-        self.metrics.write(rec)
-        bar.update(1)
-        bar.set_postfix(loss=f"{rec['loss']:.4f}", div=f"{rec['divergence']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-        tqdm.write(format_step_line(rec), file=sys.stderr)
-        if self.cfg.logging.sample_every and rec["step"] % self.cfg.logging.sample_every == 0:
-            completions, ex_idx = self._last
-            shown = completions[: self.cfg.logging.num_samples]
-            write_samples(self.run_dir / "samples.jsonl", rec["step"], [self.examples[ex_idx[c.prompt_index]] for c in shown],
-                          [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in shown],
-                          [c.finish_reason for c in shown])
+        if self.metrics is not None:
+            self.metrics.write(rec)
+            metrics.show_step(bar, rec, lines=self.cfg.logging.step_lines)
+            if self.cfg.logging.sample_every and rec["step"] % self.cfg.logging.sample_every == 0:
+                shown = self._last[0][: self.cfg.logging.num_samples]
+                metrics.write_samples(self.run_dir / "samples.jsonl", rec["step"], [self.examples[self._last[1][c.prompt_index]] for c in shown],
+                                      [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in shown], [c.finish_reason for c in shown])
 
     def evaluate(self) -> dict:
-        """Held-out accuracy of the live model, without privileged information. Each rank grades an
-        equal share of the problems (topped up with repeats that are not counted: sharded generation
-        runs in step on every rank) and the counts are summed over ranks."""
-        from opsd.eval import evaluate_model
+        """Held-out accuracy of the live model, without privileged information, sharded over ranks."""
+        from opsd.eval import evaluate_sharded
 
-        e, k, share = self.cfg.eval, self.cfg.eval.k, -(-len(self.eval_examples) // self.world)
-        mine = self.eval_examples[self.rank * share : (self.rank + 1) * share]
-        res = evaluate_model(
-            self.model, self.tokenizer, mine + self.eval_examples[: share - len(mine)], k=k, temperature=e.temperature,
-            max_new_tokens=e.max_new_tokens, instruction=self.cfg.data.instruction,
-            enable_thinking=self.cfg.data.student_thinking, seed=distributed.rank_seed(self.cfg.seed, self.rank), engine=self.engine,
-        )
-        rows = [[1, sum(it["correct"]), it[f"pass@{k}"], sum(it["response_tokens"]), it["finish_reasons"].count("length"),
-                 it["extracted"].count(None), len(it["errors"]) - it["errors"].count(None)] for it in res.items[: len(mine)]]
-        sums = torch.tensor(rows, dtype=torch.float64).reshape(-1, 7).sum(0)
-        n, right, passed, length, cut, none, errors = all_reduce_sum(sums).tolist()
-        return replace(res, num_problems=int(n), avg_at_k=right / (n * k), pass_at_k=passed / n,
-                       resp_len_mean=length / (n * k), truncated_frac=cut / (n * k), no_answer_frac=none / (n * k),
-                       grading_errors=int(errors)).metrics(prefix="eval/")
+        e = self.cfg.eval
+        return evaluate_sharded(
+            self.model, self.tokenizer, self.eval_examples, rank=self.rank, world=self.world, k=e.k,
+            temperature=e.temperature, max_new_tokens=e.max_new_tokens, instruction=self.cfg.data.instruction,
+            enable_thinking=self.cfg.data.student_thinking, seed=distributed.rank_seed(self.cfg.seed, self.rank),
+            engine=self.engine,
+        ).metrics(prefix="eval/")
 
     # ------------------------------------------------------------------------------------------
     # Setup, checkpoints
-
-    def _load_eval_examples(self) -> list:
-        """Validated at startup, like the training data, so a bad eval file fails before any compute."""
-        e = self.cfg.eval
-        rep = load_examples(e.path, problem_key=self.cfg.data.problem_key, solution_key=None,
-                            answer_key=e.answer_key, require_answer=True)
-        return rep.examples[: e.limit] if e.limit else rep.examples
 
     def save(self) -> Path:
         """Every rank calls it: the checkpoint is written together (see :mod:`opsd.checkpoint`)."""
@@ -358,8 +331,7 @@ class Trainer:
         return checkpoint.save_checkpoint(
             self.run_dir, self.step_num, self.model, self.tokenizer, shared, optimizer=self.optimizer,
             rank_state={"truncated": self.prompts.state_dict()}, tensors=self.teacher.tensors(),
-            keep_last=self.cfg.checkpoint.keep_last, save_merged=self.cfg.checkpoint.save_merged,
-        )
+            keep_last=self.cfg.checkpoint.keep_last, save_merged=self.cfg.checkpoint.save_merged)
 
     def _resume(self) -> None:
         """Continue exactly, at the checkpoint's number of ranks or another (everything reshards)."""
@@ -369,8 +341,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.cursor.load_state_dict(state["cursor"])
         self.step_num, self.bad_steps = state["step"], state["bad_steps"]
-        if mine:  # a rank the saving run had: its own count of truncated prompts
-            self.prompts.load_state_dict(mine["truncated"])
+        self.prompts.load_state_dict(mine.get("truncated", {"student": 0, "teacher": 0}))  # empty: a new rank
         self.engine.sync_weights(self.model)
         if self.rank == 0:
             print(f"resumed from {ckpt} at step {self.step_num}", file=sys.stderr)

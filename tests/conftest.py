@@ -39,3 +39,11 @@ def smollm2_path() -> Path:
     if path is None:
         pytest.skip("SmolLM2 not fetched; run `opsd fetch-model smollm2-135m-instruct`")
     return path
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_torchrun_env(monkeypatch):
+    """A test that builds an in-process vLLM engine (fake or real) may leave torchrun's variables
+    set; `opsd train` would then see a half-set torchrun environment."""
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
 from opsd.cli import main
 from opsd.data import load_examples
-from opsd.demo import base, task
+from opsd.demo import base, compare, task
 from opsd.demo import run as demo_run
 from opsd.errors import UserError
 from opsd.grading import Grade
@@ -288,3 +289,162 @@ def test_short_demo_gains_and_its_control_does_not(tmp_path):
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 200]
     assert len(list(cache.glob("base-*"))) == 1  # the control reused the cached base model
+
+
+# ----------------------------------------------------------------------------------------------
+# `opsd demo --compare`
+
+
+def test_arms_differ_from_opsd_only_where_they_say():
+    s = base.DemoSettings()
+    assert compare.arm_overrides("opsd", s) == []
+    assert compare.arm_overrides("control_a", s) == ["teacher.privileged=false"]
+    assert compare.arm_overrides("control_b", s) == ["teacher.solution_source=other"]
+    grpo = compare.arm_overrides("grpo", s)
+    assert "objective=grpo" in grpo and "grpo.grader=opsd.demo.task:grade" in grpo
+    # as many responses a step as OPSD: 64 problems x 1 = 8 problems x 8 samples
+    assert compare.grpo_prompts(s) * s.grpo_n == s.prompts_per_step
+    assert "rollout.n=8" in grpo and "rollout.prompts_per_step=8" in grpo
+
+
+def test_grpo_arm_configures_the_trainer(tmp_path):
+    """Every trainer arm's overrides make a valid `opsd train` config."""
+    from opsd.config import load_config
+
+    s = base.DemoSettings()
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps(task.make_row(437, 285, 3)) + "\n")
+    for arm in ("opsd", "grpo", "control_a", "control_b"):
+        cfg = load_config(
+            None,
+            demo_run.train_overrides(s, tmp_path, data, tmp_path / arm, control=False, progress=False)
+            + compare.arm_overrides(arm, s),
+        )
+        assert cfg.rollout.prompts_per_step * cfg.rollout.n == s.prompts_per_step
+    assert cfg.teacher.solution_source == "other" and cfg.objective == "opsd"
+
+
+def _point(step, acc, tokens):
+    return {"step": step, "accuracy": acc, "generated_tokens": tokens, "train_seconds": step / 10}
+
+
+def _fake_result(seeds=(0,)):
+    curves = {
+        "opsd": [(0, 0.1, 0), (10, 0.5, 1000), (20, 0.9, 2000)],
+        "grpo": [(0, 0.1, 0), (10, 0.2, 1100), (20, 0.5, 2200)],
+        "sft": [(0, 0.1, 0), (10, 0.6, 0), (20, 0.95, 0)],
+        "control_a": [(0, 0.1, 0), (10, 0.1, 1000), (20, 0.1, 2000)],
+        "control_b": [(0, 0.1, 0), (10, 0.15, 1000), (20, 0.2, 2000)],
+    }
+    return {
+        "settings": {**vars(base.DemoSettings()), "opsd_steps": 20},
+        "seeds": [
+            {
+                "seed": sd,
+                "student_before": 0.1,
+                "teacher_with_solution": 1.0,
+                "arms": [
+                    {"arm": a, "seed": sd, "points": [_point(*x) for x in c], "seconds": 3.0}
+                    for a, c in curves.items()
+                ],
+            }
+            for sd in seeds
+        ],
+    }
+
+
+def test_compare_table_and_token_efficiency():
+    table = compare.format_compare_table(_fake_result())
+    assert "| OPSD | 90.0% | +80.0 | 2,000 | 2 s |" in table
+    assert "| GRPO | 50.0% | +40.0 | 2,200 | 2 s |" in table
+    assert "| SFT on worked solutions | 95.0% | +85.0 | 0 | 2 s |" in table
+    assert "| control A: teacher without the solution | 10.0% | +0.0 |" in table
+    # OPSD first reaches GRPO's final 50% at step 10, after 1,000 generated tokens; GRPO spent 2,200
+    assert "OPSD reached it after 1,000 (2.2x fewer)" in table
+    many = compare.format_compare_table(_fake_result(seeds=(0, 1)))
+    assert "| OPSD | 90.0% (90.0 / 90.0) | +80.0 |" in many and "mean, then per seed" in many
+    assert compare.tokens_to_reach([_point(0, 0.1, 0), _point(5, 0.3, 50)], 0.4) is None
+
+
+def test_compare_plot(tmp_path):
+    path = compare.plot_compare(tmp_path / "compare.png", _fake_result(seeds=(0, 1)))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_compare_prints_the_table(monkeypatch, capsys, tmp_path):
+    seen = {}
+
+    def fake_compare(s, seeds, out, **kw):
+        seen.update(settings=s, seeds=seeds, out=out)
+        return {**_fake_result(), "plot": str(out / "compare.png"), "seconds": 12.0}
+
+    monkeypatch.setattr(compare, "run_compare", fake_compare)
+    assert main(["demo", "--compare", "--seeds", "0,1,2", "--steps", "20", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| OPSD | 90.0% | +80.0 |" in out and f"plot: {tmp_path / 'compare.png'}" in out
+    assert seen["seeds"] == [0, 1, 2] and seen["settings"].opsd_steps == 20 and seen["out"] == tmp_path
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--compare", "--control"], "--control and --compare"),
+        (["--seeds", "0,1"], "--seeds is for --compare"),
+    ],
+)
+def test_cli_compare_user_errors(argv, message, capsys):
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_rejects_bad_seed_lists(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--compare", "--seeds", "0,x"])
+    assert "expected integers separated by commas" in capsys.readouterr().err
+
+
+def test_compare_refuses_a_directory_it_did_not_write(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(UserError, match="not an `opsd demo --compare` directory"):
+        compare.run_compare(base.DemoSettings(), [0], tmp_path, cache=tmp_path / "cache", progress=False)
+    assert not (tmp_path / "cache").exists()
+
+
+# Tiny on purpose: the point is every arm running end to end and the outputs, not the figures.
+TINY = dict(
+    digits=2,
+    hidden=32,
+    layers=1,
+    sft_steps=20,
+    sft_batch=16,
+    n_sft=100,
+    n_train=100,
+    n_heldout=20,
+    opsd_steps=2,
+    eval_every=1,
+    prompts_per_step=8,
+    grpo_n=4,
+)
+
+
+@pytest.mark.slow
+def test_short_compare_writes_the_table_and_plot_and_control_a_stays_put(tmp_path):
+    out = tmp_path / "compare"
+    r = compare.run_compare(base.DemoSettings(**TINY), [0], out, cache=tmp_path / "cache", progress=False)
+    arms = {a["arm"]: a for a in r["seeds"][0]["arms"]}
+    assert list(arms) == list(compare.ARMS)
+    for a in arms.values():
+        assert [p["step"] for p in a["points"]] == [0, 1, 2]
+        assert (out / "seed0" / a["arm"] / "eval.jsonl").is_file()
+    assert arms["sft"]["points"][-1]["generated_tokens"] == 0
+    for name in ("opsd", "grpo", "control_a", "control_b"):
+        assert arms[name]["points"][-1]["generated_tokens"] > arms[name]["points"][1]["generated_tokens"] > 0
+    # control A: the teacher reads what the student reads with the initial weights: nothing moves
+    assert compare.gain(r, "control_a") == [0.0]
+    ctrl = [json.loads(x) for x in (out / "seed0" / "control_a" / "metrics.jsonl").read_text().splitlines()]
+    assert len(ctrl) == 2 and all(rec["divergence"] == 0.0 and rec["grad_norm"] == 0.0 for rec in ctrl)
+    row = next(x for x in compare.format_compare_table(r).splitlines() if x.startswith("| control A"))
+    assert row.split(" | ")[2] == "+0.0", row
+    assert Path(r["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "compare_result.json").read_text())["seeds"][0]["seed"] == 0

@@ -64,3 +64,66 @@ def test_unknown_grader_is_a_user_error():
 
     with pytest.raises(UserError, match="grpo.grader"):
         make_reward("no.such.module:fn")
+
+
+def _assets(root):
+    from opsd.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    build_tiny_model(tok, hidden_size=32, seed=0).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    rows = [{"problem": f"What is {a} + 1?", "answer": str(a + 1)} for a in range(6)]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root / "model", root / "train.jsonl"
+
+
+def _grpo_cfg(tmp_path, model, data, *extra):
+    from opsd import load_config
+
+    return load_config(None, [
+        f"model.path={model}", f"data.path={data}", f"logging.run_dir={tmp_path / 'run'}", "objective=grpo",
+        "data.solution_key=null", "model.lora.r=4", "model.lora.alpha=8", "rollout.prompts_per_step=2", "rollout.n=4",
+        "rollout.max_new_tokens=4", "rollout.temperature=1.0", "optim.lr=0.05", "optim.max_steps=2",
+        "checkpoint.enabled=false", "logging.progress=false", "logging.sample_every=0", "device=cpu", *extra])
+
+
+def test_grpo_trains_the_tiny_model_with_rewards_from_a_grader(tmp_path, monkeypatch):
+    """A grader that rewards responses containing a given token id gives a signal; all-equal rewards none."""
+    from opsd import Trainer
+
+    model, data = _assets(tmp_path)
+    tr = Trainer(_grpo_cfg(tmp_path, model, data))
+    calls = []
+
+    def reward(response: str, answer: str) -> float:  # deterministic, varies across a group
+        calls.append(answer)
+        return float(len(response) % 2)
+
+    tr.reward = reward
+    before = {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad}
+    rec = tr.step()
+    assert len(calls) == 8 and set(calls) <= {str(a + 1) for a in range(6)}  # every response graded against its answer
+    assert 0.0 <= rec["reward_mean"] <= 1.0 and 0.0 <= rec["flat_group_frac"] <= 1.0
+    moved = any(not torch.equal(v, before[k]) for k, v in tr.model.named_parameters() if v.requires_grad)
+    assert moved == (rec["flat_group_frac"] < 1.0)
+
+    tr = Trainer(_grpo_cfg(tmp_path, model, data), overwrite=True)  # fresh: no AdamW momentum
+    tr.reward = lambda response, answer: 1.0  # every group flat: zero advantage, zero gradient, no movement
+    before = {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad}
+    rec = tr.step()
+    assert rec["flat_group_frac"] == 1.0 and rec["grad_norm"] == 0.0 and rec["loss"] == 0.0
+    assert all(torch.equal(v, before[k]) for k, v in tr.model.named_parameters() if v.requires_grad)
+
+
+def test_grpo_needs_answers_and_groups(tmp_path):
+    from opsd.errors import UserError
+
+    model, data = _assets(tmp_path)
+    with pytest.raises(UserError, match="rollout.n >= 2"):
+        _grpo_cfg(tmp_path, model, data, "rollout.n=1")
+    noans = tmp_path / "noans.jsonl"
+    noans.write_text(json.dumps({"problem": "What is 1 + 1?"}) + "\n")
+    from opsd import Trainer
+
+    with pytest.raises(UserError, match="answer"):
+        Trainer(_grpo_cfg(tmp_path, model, noans))

@@ -60,6 +60,7 @@ class DemoSettings:
     prompts_per_step: int = 64
     temperature: float = 1.0
     eval_every: int = 25
+    grpo_n: int = 8  # `opsd demo --compare`: GRPO's samples per problem
 
     def base_key(self) -> str:
         """Everything the base model depends on; a change means a rebuild, never a stale cache hit."""

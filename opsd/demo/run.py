@@ -58,6 +58,7 @@ class Prepared:
 
     base: Path
     data_dir: Path  # train.jsonl (OPSD's problems) and heldout.jsonl
+    train: list[dict]
     heldout: list[dict]
     student_before: float  # problem only
     teacher_with_solution: float  # the base model with the worked solution in its context
@@ -84,7 +85,7 @@ def prepare(s: DemoSettings, cache: Path, progress: bool) -> Prepared:
     _say(
         progress, f"student {100 * before:.1f}% (problem only), teacher {100 * teacher:.1f}% (with solution)"
     )
-    return Prepared(base, data_dir, heldout, before, teacher, t_base)
+    return Prepared(base, data_dir, split["train"], heldout, before, teacher, t_base)
 
 
 def train_overrides(
@@ -121,30 +122,59 @@ def train_overrides(
         f"logging.run_dir={run_dir}",
         "logging.sample_every=25",
         f"logging.progress={'true' if progress else 'false'}",
+        *_quiet_steps(),
     ]
 
 
+def _quiet_steps() -> list[str]:
+    """The demo prints a line per held-out evaluation, not per step: the trainer's step lines go."""
+    from opsd.config import LoggingConfig
+
+    return ["logging.step_lines=false"] if "step_lines" in LoggingConfig.model_fields else []
+
+
+@dataclass
+class EvalPoint:
+    """One held-out evaluation during training, with what training had spent to get there."""
+
+    step: int
+    accuracy: float
+    generated_tokens: int  # rollout tokens sampled so far (stop tokens included); 0 for SFT
+    train_seconds: float  # training wall time so far, the evaluations excluded
+
+
+def generated_tokens(rec: dict, responses_per_step: int) -> int:
+    """Rollout tokens one step sampled: its mean response length times its number of responses."""
+    return round(rec["resp_len_mean"] * responses_per_step)
+
+
 def train_with_evals(
-    trainer: Any, tok: Any, p: Prepared, s: DemoSettings, run_dir: Path, progress: bool
-) -> list:
+    trainer: Any, tok: Any, p: Prepared, s: DemoSettings, run_dir: Path, progress: bool, label: str = "OPSD"
+) -> list[EvalPoint]:
     """Train to ``s.opsd_steps``, scoring the held-out set every ``s.eval_every`` steps into eval.jsonl.
 
-    Returns the curve [(step, accuracy), ...], starting at step 0 with the base model's accuracy.
+    Any Trainer (OPSD, its controls, GRPO). Returns the evaluations, starting at step 0 with the base
+    model's accuracy.
     """
-    curve = [(0, p.student_before)]
-    with (run_dir / "eval.jsonl").open("w") as f:
-        f.write(json.dumps({"step": 0, "eval/accuracy": p.student_before}) + "\n")
+    points = [EvalPoint(0, p.student_before, 0, 0.0)]
+    per_step = trainer.cfg.rollout.prompts_per_step * trainer.cfg.rollout.n
+    with (run_dir / "eval.jsonl").open("w") as f:  # opsd report reads it: "accuracy" -> eval/accuracy
+        f.write(json.dumps(asdict(points[0])) + "\n")
+    tokens, seconds = 0, 0.0
     while trainer.step_num < s.opsd_steps:
         until = min(s.opsd_steps, trainer.step_num + s.eval_every)
-        trainer.train(until_step=until)
+        t0 = time.time()
+        history = trainer.train(until_step=until)
+        seconds += time.time() - t0
         if trainer.step_num < until:  # Ctrl-C / SIGTERM: the trainer saved a checkpoint and returned early
-            raise KeyboardInterrupt(f"stopped after OPSD step {trainer.step_num}; checkpoint in {run_dir}")
+            raise KeyboardInterrupt(f"stopped after {label} step {trainer.step_num}; checkpoint in {run_dir}")
+        tokens += sum(generated_tokens(rec, per_step) for rec in history)
         acc = heldout_accuracy(trainer.model, tok, p.heldout, s.digits, with_solution=False)
-        curve.append((trainer.step_num, acc))
+        points.append(EvalPoint(trainer.step_num, acc, tokens, seconds))
         with (run_dir / "eval.jsonl").open("a") as f:
-            f.write(json.dumps({"step": trainer.step_num, "eval/accuracy": acc}) + "\n")
-        _say(progress, f"step {trainer.step_num}: held-out accuracy {100 * acc:.1f}%")
-    return curve
+            f.write(json.dumps(asdict(points[-1])) + "\n")
+        _say(progress, f"{label} step {trainer.step_num}: held-out accuracy {100 * acc:.1f}%")
+    return points
 
 
 def _check_run_dir(run_dir: Path) -> None:
@@ -194,7 +224,8 @@ def _run_opsd(
     )
     trainer = Trainer(load_config(None, overrides), overwrite=True)
     (run_dir / "demo.json").write_text(json.dumps({"settings": asdict(s), "control": control}, indent=2))
-    curve = train_with_evals(trainer, load_tokenizer(str(p.base)), p, s, run_dir, progress)
+    points = train_with_evals(trainer, load_tokenizer(str(p.base)), p, s, run_dir, progress)
+    curve = [(e.step, e.accuracy) for e in points]
     before, after, teacher = p.student_before, curve[-1][1], p.teacher_with_solution
     result = {
         "seed": s.seed,
@@ -205,6 +236,7 @@ def _run_opsd(
         "gain": after - before,
         "gap_closed": (after - before) / (teacher - before) if teacher > before else float("nan"),
         "curve": curve,
+        "generated_tokens": points[-1].generated_tokens,
         "seconds": time.time() - t0,
         "seconds_base_model": p.seconds_base_model,
         "run_dir": str(run_dir),
@@ -256,12 +288,36 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="the scientific control: no solution in the teacher's context (it should teach nothing)",
     )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="OPSD against GRPO, SFT and two controls at equal optimizer steps (docs/demo.md)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=DemoSettings.opsd_steps, help="OPSD steps")
-    p.add_argument("--run-dir", type=Path, default=None, help="default: runs/demo[-control]-seedN")
+    p.add_argument(
+        "--seeds", type=_seed_list, default=None, help="--compare: seeds, e.g. 0,1,2 (default: --seed)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=DemoSettings.opsd_steps, help="optimizer steps (every method)"
+    )
+    p.add_argument(
+        "--run-dir", type=Path, default=None, help="default: runs/demo[-control]-seedN, runs/demo-compare"
+    )
     p.add_argument(
         "--cache", type=Path, default=None, help="where base models are cached (default $OPSD_HOME/demo)"
     )
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--seeds {text!r}: expected integers separated by commas, e.g. 0,1,2"
+        ) from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("--seeds: give at least one seed, e.g. 0,1,2")
+    return seeds
 
 
 def format_table(r: dict) -> str:
@@ -290,6 +346,18 @@ def run_demo(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()  # per-checkpoint "writing shards" bars would bury the demo's own
     if args.steps < 1:
         raise UserError(f"--steps must be >= 1, got {args.steps}")
+    if args.compare and args.control:
+        raise UserError("--control and --compare: the comparison runs the controls itself; drop --control")
+    if args.seeds is not None and not args.compare:
+        raise UserError("--seeds is for --compare; the plain demo takes one --seed")
+    try:
+        return _run_compare(args) if args.compare else _run_one(args)
+    except KeyboardInterrupt as e:
+        print(f"opsd demo: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
+        return 130
+
+
+def _run_one(args: argparse.Namespace) -> int:
     s = DemoSettings(seed=args.seed, opsd_steps=args.steps)
     run_dir = args.run_dir or Path("runs") / f"demo{'-control' if args.control else ''}-seed{args.seed}"
     what = "WITHOUT the worked solution (control)" if args.control else "reading the worked solution"
@@ -298,11 +366,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"fixed teacher {what}",
         file=sys.stderr,
     )
-    try:
-        r = run_opsd(s, run_dir, control=args.control, cache=args.cache)
-    except KeyboardInterrupt as e:
-        print(f"opsd demo: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
-        return 130
+    r = run_opsd(s, run_dir, control=args.control, cache=args.cache)
     print()
     print(format_table(r))
     print(f"plot: {r['plot']}")
@@ -312,4 +376,25 @@ def run_demo(args: argparse.Namespace) -> int:
     print(
         f"training alone again: opsd train --config {run_dir / 'config.yaml'} logging.run_dir=runs/opsd-demo-again"
     )
+    return 0
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from opsd.demo.compare import format_compare_table, grpo_prompts, run_compare
+
+    s = DemoSettings(opsd_steps=args.steps)
+    seeds = args.seeds or [args.seed]
+    out = args.run_dir or Path("runs") / "demo-compare"
+    print(
+        f"opsd demo --compare: {s.digits}-digit addition, tiny Llama ({s.layers}x{s.hidden}), seeds "
+        f"{','.join(map(str, seeds))}; {s.opsd_steps} optimizer steps each: OPSD ({s.prompts_per_step} problems x 1 "
+        f"sample), GRPO ({grpo_prompts(s)} problems x {s.grpo_n} samples), SFT ({s.prompts_per_step} worked "
+        "solutions), control A (teacher without the solution), control B (another problem's solution)",
+        file=sys.stderr,
+    )
+    r = run_compare(s, seeds, out, cache=args.cache)
+    print()
+    print(format_compare_table(r))
+    print(f"plot: {r['plot']}")
+    print(f"run directories: {out}/seedN/METHOD ({r['seconds']:.0f} s in all)")
     return 0

@@ -1,0 +1,126 @@
+"""`opsd demo --compare` over seeds 0, 1, 2 with the demo's default settings; writes docs/benchmarks.md.
+
+OPSD, GRPO (8 samples per problem), SFT on the worked solutions, control A (teacher without the
+solution) and control B (teacher with another problem's solution), the same number of optimizer steps
+each, in this process, one after the other. The figures are recorded whatever they show. The load
+average before and after is printed and recorded: other jobs on the cores slow every arm down.
+
+    python bench/compare.py                          # seeds 0 1 2, about 3 x 15 minutes on 2 cores
+    python bench/compare.py --seeds 0 --steps 50 --no-write
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see opsd.cli)
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _md import write_section  # noqa: E402
+from demo import machine  # noqa: E402
+
+from opsd.demo.base import DemoSettings  # noqa: E402
+from opsd.demo.compare import ARMS, format_compare_table, gain, grpo_prompts, mean_curve, run_compare  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADING = "Demo comparison: OPSD, GRPO, SFT, controls (bench/compare.py)"
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def render(r: dict, started: str, load_before: str, load_after: str, plot: str) -> str:
+    s = r["settings"]
+    seeds = [sd["seed"] for sd in r["seeds"]]
+    lines = [
+        f"Run {started}, `python bench/compare.py --seeds {','.join(map(str, seeds))} --steps {s['opsd_steps']}`. "
+        f"Machine: {machine()}. Load average (1/5/15 min) before {load_before}, after {load_after} "
+        f"({os.cpu_count()} cores: above that, other jobs shared them, and the times are upper bounds). "
+        f"Whole comparison: {r['seconds'] / 60:.1f} min for {len(seeds)} seed(s), base-model builds included.",
+        "",
+        f"Settings (docs/demo.md): {s['digits']}-digit addition, Llama {s['layers']}x{s['hidden']} after "
+        f"{s['sft_steps']} SFT steps; every method then takes {s['opsd_steps']} optimizer steps with AdamW lr "
+        f"{s['opsd_lr']}, {s['opsd_warmup']} warmup steps then cosine, gradient clip 1, from the same base model, on "
+        f"the same training problems; held-out accuracy on {s['n_heldout']} problems (greedy, exact final answer) "
+        f"every {s['eval_every']} steps. OPSD and the controls: {s['prompts_per_step']} problems x 1 sample a step, "
+        f"fixed teacher, forward KL. GRPO: {grpo_prompts(s)} problems x {s['grpo_n']} samples a step (as many "
+        f"responses a step as OPSD), reward 1 for an exact final answer, mean baseline. SFT: "
+        f"{s['prompts_per_step']} worked solutions a step, cross-entropy, nothing generated. Training wall time "
+        "excludes the held-out evaluations.",
+        "",
+        format_compare_table(r),
+        "",
+        f"![held-out accuracy against optimizer steps and generated tokens]({plot})",
+        "",
+        "Held-out accuracy (%) by optimizer step, mean over seeds:",
+        "",
+    ]
+    for arm in dict.fromkeys(a["arm"] for sd in r["seeds"] for a in sd["arms"]):
+        steps, acc = mean_curve(r, arm, "step"), mean_curve(r, arm, "accuracy")
+        lines.append(f"- {ARMS[arm]}: " + " ".join(f"{int(x)}:{100 * y:.0f}" for x, y in zip(steps, acc)))
+    checks, ran = [], {a["arm"] for a in r["seeds"][0]["arms"]}
+    if "control_a" in ran:
+        g = gain(r, "control_a")
+        checks.append(
+            (
+                "control A gains exactly 0 on every seed",
+                all(x == 0 for x in g),
+                ", ".join(f"{100 * x:+.1f}" for x in g),
+            )
+        )
+    if {"opsd", "control_b"} <= ran:
+        o, b = gain(r, "opsd"), gain(r, "control_b")
+        checks.append(
+            (
+                "control B gains less than OPSD on every seed",
+                all(x < y for x, y in zip(b, o)),
+                "control B "
+                + ", ".join(f"{100 * x:+.1f}" for x in b)
+                + "; OPSD "
+                + ", ".join(f"{100 * y:+.1f}" for y in o),
+            )
+        )
+    if checks:
+        lines += ["", "Checks:", ""]
+        lines += [f"- {name}: {'yes' if ok else 'NO'} ({detail})" for name, ok, detail in checks]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated, e.g. 0,1,2")
+    ap.add_argument("--steps", type=int, default=DemoSettings.opsd_steps, help="optimizer steps per method")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-compare", help="run directories")
+    ap.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
+    args = ap.parse_args()
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    started, load_before = time.strftime("%Y-%m-%d %H:%M"), _load()
+    print(f"load average before: {load_before}", flush=True)
+    r = run_compare(
+        DemoSettings(opsd_steps=args.steps), seeds, args.out / "runs", cache=args.out / "cache", progress=True
+    )
+    load_after = _load()
+    print(f"load average after: {load_after}", flush=True)
+    plot = Path(r["plot"])
+    if not args.no_write:  # the figure beside the page that shows it
+        shutil.copyfile(plot, args.md.parent / "demo_compare.png")
+        plot = Path("demo_compare.png")
+    body = render(r, started, load_before, load_after, str(plot))
+    print(body)
+    if not args.no_write:
+        write_section(args.md, HEADING, body)
+        print(f"wrote {args.md} and {args.md.parent / 'demo_compare.png'}")
+
+
+if __name__ == "__main__":
+    main()
