@@ -5,7 +5,7 @@ solution) and control B (teacher with another problem's solution), the same numb
 each, in this process, one after the other. The figures are recorded whatever they show. The load
 average before and after is printed and recorded: other jobs on the cores slow every arm down.
 
-    python bench/compare.py                          # seeds 0 1 2, about 3 x 15 minutes on 2 cores
+    python bench/compare.py                          # seeds 0 1 2, 200 steps: about 3 x 15 minutes on 2 cores
     python bench/compare.py --seeds 0 --steps 50 --no-write
 """
 
@@ -26,7 +26,8 @@ from _md import write_section  # noqa: E402
 from demo import machine  # noqa: E402
 
 from opsd.demo.base import DemoSettings  # noqa: E402
-from opsd.demo.compare import ARMS, format_compare_table, gain, grpo_prompts, mean_curve, run_compare  # noqa: E402
+from opsd.demo.compare import ARMS, format_compare_table, gain, mean_curve, run_compare  # noqa: E402
+from opsd.demo.run import COMPARE_STEPS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "Demo comparison: OPSD, GRPO, SFT, controls (bench/compare.py)"
@@ -43,14 +44,15 @@ def render(r: dict, started: str, load_before: str, load_after: str, plot: str) 
         f"Run {started}, `python bench/compare.py --seeds {','.join(map(str, seeds))} --steps {s['opsd_steps']}`. "
         f"Machine: {machine()}. Load average (1/5/15 min) before {load_before}, after {load_after} "
         f"({os.cpu_count()} cores: above that, other jobs shared them, and the times are upper bounds). "
-        f"Whole comparison: {r['seconds'] / 60:.1f} min for {len(seeds)} seed(s), base-model builds included.",
+        f"Whole comparison: {r['seconds'] / 60:.1f} min for {len(seeds)} seed(s), base-model builds included unless cached.",
         "",
         f"Settings (docs/demo.md): {s['digits']}-digit addition, Llama {s['layers']}x{s['hidden']} after "
         f"{s['sft_steps']} SFT steps; every method then takes {s['opsd_steps']} optimizer steps with AdamW lr "
-        f"{s['opsd_lr']}, {s['opsd_warmup']} warmup steps then cosine, gradient clip 1, from the same base model, on "
+        f"{s['opsd_lr']} (GRPO: {s['grpo_lr']}), {s['opsd_warmup']} warmup steps then cosine, gradient clip 1, "
+        "from the same base model, on "
         f"the same training problems; held-out accuracy on {s['n_heldout']} problems (greedy, exact final answer) "
         f"every {s['eval_every']} steps. OPSD and the controls: {s['prompts_per_step']} problems x 1 sample a step, "
-        f"fixed teacher, forward KL. GRPO: {grpo_prompts(s)} problems x {s['grpo_n']} samples a step (as many "
+        f"fixed teacher, forward KL. GRPO: {r['grpo_prompts_per_step']} problems x {s['grpo_n']} samples a step (as many "
         f"responses a step as OPSD), reward 1 for an exact final answer, mean baseline. SFT: "
         f"{s['prompts_per_step']} worked solutions a step, cross-entropy, nothing generated. Training wall time "
         "excludes the held-out evaluations.",
@@ -96,8 +98,9 @@ def render(r: dict, started: str, load_before: str, load_after: str, plot: str) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated, e.g. 0,1,2")
-    ap.add_argument("--steps", type=int, default=DemoSettings.opsd_steps, help="optimizer steps per method")
+    ap.add_argument("--steps", type=int, default=COMPARE_STEPS, help="optimizer steps per method")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-compare", help="run directories")
+    ap.add_argument("--cache", type=Path, default=None, help="base models (default: a fresh OUT/cache)")
     ap.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     args = ap.parse_args()
@@ -107,7 +110,11 @@ def main() -> None:
     started, load_before = time.strftime("%Y-%m-%d %H:%M"), _load()
     print(f"load average before: {load_before}", flush=True)
     r = run_compare(
-        DemoSettings(opsd_steps=args.steps), seeds, args.out / "runs", cache=args.out / "cache", progress=True
+        DemoSettings(opsd_steps=args.steps),
+        seeds,
+        args.out / "runs",
+        cache=args.cache or args.out / "cache",
+        progress=True,
     )
     load_after = _load()
     print(f"load average after: {load_after}", flush=True)

@@ -48,17 +48,6 @@ SHARED = ROOT.parent / "shared" / "data"
 HEADING = "SmolLM2-135M OPSD on MATH (bench/smollm2_opsd.py)"
 
 
-def has_bf16(device: str) -> bool:
-    """bf16 matrix units: any CUDA GPU that supports bf16, or a CPU with AVX512-BF16 or AMX."""
-    if device.startswith("cuda"):
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 @torch.no_grad()
 def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
     """The training loss and its statistics on ``examples`` for the trainer's current student: one
@@ -192,7 +181,7 @@ def main() -> None:
     from opsd.config import load_config
     from opsd.data import load_examples
     from opsd.fetch import cached_model_path
-    from opsd.models import resolve_device
+    from opsd.models import pick_dtype, resolve_device
     from opsd.trainer import Trainer
 
     model = cached_model_path("smollm2-135m-instruct")
@@ -201,8 +190,8 @@ def main() -> None:
     for f in ("math_train.jsonl", "math500_test.jsonl"):
         if not (SHARED / f).is_file():
             sys.exit(f"{SHARED / f} not found (see ../shared/data/README.md)")
-    device = str(resolve_device(args.device))
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if has_bf16(device) else "float32")
+    dev = resolve_device(args.device)
+    device, (dtype, _) = str(dev), pick_dtype(args.dtype, dev)  # auto: bf16 where there are bf16 matrix units
 
     # Data: the last --heldout rows of MATH train are held out; training draws from the rest.
     if args.out.exists():

@@ -57,7 +57,7 @@ def _run_train(args: argparse.Namespace) -> int:
 # command being run, so `opsd --help` and `opsd --version` stay instant.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "demo": ("a self-contained OPSD demo on a synthetic task, minutes on a CPU",
-             "opsd.demo.run", "add_demo_arguments", "run_demo"),
+             "opsd.demo.cli", "add_demo_arguments", "run_demo"),
     "train": ("run on-policy self-distillation", "opsd.cli", "_add_train_arguments", "_run_train"),
     "eval": ("accuracy of one or more models on a math dataset (math-verify grading)",
              "opsd.eval", "add_eval_arguments", "run_eval"),

@@ -93,13 +93,14 @@ def show_step(bar, rec: dict, *, lines: bool = True) -> None:
         tqdm.write(format_step_line(rec), file=sys.stderr)
 
 
-def write_samples(path: Path, step: int, examples: list, responses: list[str], finish_reasons: list[str]) -> None:
+def write_samples(path: Path, step: int, examples: list, responses: list[str], finish_reasons: list[str],
+                  show: bool = True) -> None:
     """Append decoded responses to ``samples.jsonl``; print the first one."""
     with path.open("a") as f:
         for ex, response, reason in zip(examples, responses, finish_reasons):
             f.write(json.dumps({"step": step, "problem": ex.problem, "answer": ex.answer,
                                 "response": response, "finish_reason": reason}) + "\n")
-    if responses:
+    if responses and show:
         tqdm.write(f"  sample | {str(examples[0].problem)[:100]!r} -> {responses[0][:200]!r}", file=sys.stderr)
 
 

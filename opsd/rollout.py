@@ -439,8 +439,11 @@ class VLLMEngine:
         log.info("vLLM engine: %s, dtype %s, sleep level %d", path, dtype, sleep_level)
 
         self._owns_group = False
+        self._set_env = [k for k in ("RANK", "LOCAL_RANK") if k not in os.environ]
         if world == 1:
             # external_launcher reads RANK/LOCAL_RANK; with the group already there it creates none.
+            # close() removes what is set here, so a later `opsd train` in this process is not
+            # mistaken for a half-configured torchrun rank.
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("LOCAL_RANK", "0")
             if not dist.is_initialized():
@@ -535,6 +538,8 @@ class VLLMEngine:
         destroy_model_parallel()
         if self._owns_group:
             destroy_distributed_environment()  # vLLM's world group and the default group we made
+        for k in getattr(self, "_set_env", ()):
+            os.environ.pop(k, None)
         if self._cuda is not None:
             torch.cuda.empty_cache()
 

@@ -265,7 +265,7 @@ class Trainer:
                   f"further: opsd train --resume {self.run_dir} optim.max_steps=N (N > {self.step_num})", file=sys.stderr)
         history: list[dict] = []
         bar = tqdm(total=cfg.optim.max_steps, initial=self.step_num, desc="opsd train", unit="step",
-                   disable=not cfg.logging.progress or self.rank != 0, dynamic_ncols=True)
+                   disable=not cfg.logging.progress or self.rank != 0, dynamic_ncols=True, leave=end == cfg.optim.max_steps)
         self.stop.requested = None
         try:
             with self.stop:
@@ -307,7 +307,8 @@ class Trainer:
             if self.cfg.logging.sample_every and rec["step"] % self.cfg.logging.sample_every == 0:
                 shown = self._last[0][: self.cfg.logging.num_samples]
                 metrics.write_samples(self.run_dir / "samples.jsonl", rec["step"], [self.examples[self._last[1][c.prompt_index]] for c in shown],
-                                      [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in shown], [c.finish_reason for c in shown])
+                                      [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in shown], [c.finish_reason for c in shown],
+                                      show=self.cfg.logging.step_lines)
 
     def evaluate(self) -> dict:
         """Held-out accuracy of the live model, without privileged information, sharded over ranks."""

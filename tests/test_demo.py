@@ -11,6 +11,7 @@ import pytest
 from opsd.cli import main
 from opsd.data import load_examples
 from opsd.demo import base, compare, task
+from opsd.demo import cli as demo_cli
 from opsd.demo import run as demo_run
 from opsd.errors import UserError
 from opsd.grading import Grade
@@ -234,9 +235,9 @@ def test_cli_prints_the_table(monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(demo_run, "run_opsd", fake_run)
     p = argparse.ArgumentParser()
-    demo_run.add_demo_arguments(p)
+    demo_cli.add_demo_arguments(p)
     assert (
-        demo_run.run_demo(
+        demo_cli.run_demo(
             p.parse_args(["--control", "--seed", "2", "--steps", "7", "--run-dir", str(tmp_path)])
         )
         == 0
@@ -305,6 +306,7 @@ def test_arms_differ_from_opsd_only_where_they_say():
     # as many responses a step as OPSD: 64 problems x 1 = 8 problems x 8 samples
     assert compare.grpo_prompts(s) * s.grpo_n == s.prompts_per_step
     assert "rollout.n=8" in grpo and "rollout.prompts_per_step=8" in grpo
+    assert f"optim.lr={s.grpo_lr}" in grpo  # its own: at OPSD's lr it collapses
 
 
 def test_grpo_arm_configures_the_trainer(tmp_path):
@@ -383,6 +385,8 @@ def test_cli_compare_prints_the_table(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "| OPSD | 90.0% | +80.0 |" in out and f"plot: {tmp_path / 'compare.png'}" in out
     assert seen["seeds"] == [0, 1, 2] and seen["settings"].opsd_steps == 20 and seen["out"] == tmp_path
+    assert main(["demo", "--compare", "--run-dir", str(tmp_path)]) == 0
+    assert seen["seeds"] == [0] and seen["settings"].opsd_steps == demo_run.COMPARE_STEPS
 
 
 @pytest.mark.parametrize(
@@ -442,8 +446,15 @@ def test_short_compare_writes_the_table_and_plot_and_control_a_stays_put(tmp_pat
         assert arms[name]["points"][-1]["generated_tokens"] > arms[name]["points"][1]["generated_tokens"] > 0
     # control A: the teacher reads what the student reads with the initial weights: nothing moves
     assert compare.gain(r, "control_a") == [0.0]
-    ctrl = [json.loads(x) for x in (out / "seed0" / "control_a" / "metrics.jsonl").read_text().splitlines()]
+    metrics = {
+        name: [json.loads(x) for x in (out / "seed0" / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("opsd", "grpo", "control_a", "control_b")
+    }
+    ctrl = metrics["control_a"]
     assert len(ctrl) == 2 and all(rec["divergence"] == 0.0 and rec["grad_norm"] == 0.0 for rec in ctrl)
+    # GRPO is the trainer's GRPO objective; control B's teacher reads other solutions than OPSD's
+    assert all("reward_mean" in rec and "flat_group_frac" in rec for rec in metrics["grpo"])
+    assert metrics["control_b"][0]["divergence"] != metrics["opsd"][0]["divergence"]
     row = next(x for x in compare.format_compare_table(r).splitlines() if x.startswith("| control A"))
     assert row.split(" | ")[2] == "+0.0", row
     assert Path(r["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

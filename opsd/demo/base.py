@@ -61,6 +61,7 @@ class DemoSettings:
     temperature: float = 1.0
     eval_every: int = 25
     grpo_n: int = 8  # `opsd demo --compare`: GRPO's samples per problem
+    grpo_lr: float = 5e-5  # and its learning rate: OPSD's 2e-3 collapses GRPO (docs/demo.md)
 
     def base_key(self) -> str:
         """Everything the base model depends on; a change means a rebuild, never a stale cache hit."""

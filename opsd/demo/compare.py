@@ -6,8 +6,10 @@ arms differ only where the overrides say. GRPO draws ``prompts_per_step // grpo_
 samples ``grpo_n`` responses to each: as many responses a step (64 by default) as OPSD, which samples
 one for each of its ``prompts_per_step`` problems. A step therefore trains on about as many tokens in
 either, and the difference between them is what one response per problem can teach against what a
-group of eight can. SFT is `opsd sft`'s loop on the worked solutions of the same problems (off-policy:
-nothing is generated), ``prompts_per_step`` rows a step.
+group of eight can. GRPO has its own learning rate (``grpo_lr``): at OPSD's, its reward collapses to
+zero within a few steps and it never learns again (docs/demo.md). SFT is `opsd sft`'s loop on the
+worked solutions of the same problems (off-policy: nothing is generated), ``prompts_per_step`` rows a
+step.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def arm_overrides(arm: str, s: DemoSettings) -> list[str]:
             "grpo.grader=opsd.demo.task:grade",
             f"rollout.n={s.grpo_n}",
             f"rollout.prompts_per_step={grpo_prompts(s)}",
+            f"optim.lr={s.grpo_lr}",
         ],
     }[arm]
 
@@ -280,32 +283,39 @@ def token_efficiency_lines(result: dict) -> list[str]:
 
 
 def plot_compare(path: Path, result: dict) -> Path:
-    """compare.png: held-out accuracy against optimizer steps (above) and generated tokens (below)."""
+    """compare.png: held-out accuracy against optimizer steps (above) and generated tokens (below).
+
+    SFT generates nothing: below, its final accuracy is a level across the axis, in its own colour."""
     from opsd.report import Panel, plot_panels
 
     arms = list(dict.fromkeys(a["arm"] for sd in result["seeds"] for a in sd["arms"]))
     teacher = _mean([sd["teacher_with_solution"] for sd in result["seeds"]])
-    steps, tokens, sft_final = {}, {}, {}
-    for arm in arms:
-        acc = [100 * a for a in mean_curve(result, arm, "accuracy")]
-        steps[ARMS[arm]] = (mean_curve(result, arm, "step"), acc)
-        if arm == "sft":  # nothing generated: a level, not a curve
-            sft_final[f"{ARMS[arm]}, {result['settings']['opsd_steps']} steps, 0 generated"] = acc[-1]
+    acc = {arm: [100 * a for a in mean_curve(result, arm, "accuracy")] for arm in arms}
+    tokens = {arm: mean_curve(result, arm, "generated_tokens") for arm in arms}
+    most = max(max(t) for t in tokens.values())
+    steps = result["settings"]["opsd_steps"]
+    by_tokens = {}
+    for arm in arms:  # the same order, so each method keeps its colour in both panels
+        if arm == "sft":
+            by_tokens[f"{ARMS[arm]} after {steps} steps (0 generated)"] = ([0, most], [acc[arm][-1]] * 2)
         else:
-            tokens[ARMS[arm]] = (mean_curve(result, arm, "generated_tokens"), acc)
+            by_tokens[ARMS[arm]] = (tokens[arm], acc[arm])
     n = len(result["seeds"])
-    by_step = Panel(
-        steps,
-        ylabel="held-out accuracy (%)",
-        xlabel="optimizer step",
-        ylim=(-2, 102),
-        hlines={"base model with the worked solution": 100 * teacher},
+    return plot_panels(
+        path,
+        f"opsd demo --compare: {n} seed{'s, mean' if n > 1 else ''}",
+        [
+            Panel(
+                {ARMS[arm]: (mean_curve(result, arm, "step"), acc[arm]) for arm in arms},
+                ylabel="held-out accuracy (%)",
+                xlabel="optimizer step",
+                ylim=(-2, 102),
+                hlines={"base model with the worked solution": 100 * teacher},
+            ),
+            Panel(by_tokens, ylabel="held-out accuracy (%)", xlabel="generated tokens", ylim=(-2, 102)),
+        ],
+        sharex=False,
     )
-    by_tokens = Panel(
-        tokens, ylabel="held-out accuracy (%)", xlabel="generated tokens", ylim=(-2, 102), hlines=sft_final
-    )
-    title = f"opsd demo --compare: {n} seed{'s' if n > 1 else ''}{', mean' if n > 1 else ''}"
-    return plot_panels(path, title, [by_step, by_tokens], sharex=False)
 
 
 def gain(result: dict, arm: str) -> list[float]:

@@ -5,7 +5,6 @@ plot is `opsd report`'s. See docs/demo.md for the task, the choices and the numb
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -20,6 +19,9 @@ from opsd.demo import task
 from opsd.demo.base import DemoSettings, build_base_model, prompt_ids
 from opsd.errors import UserError
 from opsd.fetch import opsd_home
+
+# `opsd demo --compare`'s steps per method: five runs of it fit in about 15 minutes on 2 CPU cores.
+COMPARE_STEPS = 200
 
 
 def heldout_accuracy(model: Any, tok: Any, rows: list[dict], digits: int, *, with_solution: bool) -> float:
@@ -122,15 +124,8 @@ def train_overrides(
         f"logging.run_dir={run_dir}",
         "logging.sample_every=25",
         f"logging.progress={'true' if progress else 'false'}",
-        *_quiet_steps(),
+        "logging.step_lines=false",  # the demo prints a line per held-out evaluation, not per step
     ]
-
-
-def _quiet_steps() -> list[str]:
-    """The demo prints a line per held-out evaluation, not per step: the trainer's step lines go."""
-    from opsd.config import LoggingConfig
-
-    return ["logging.step_lines=false"] if "step_lines" in LoggingConfig.model_fields else []
 
 
 @dataclass
@@ -282,44 +277,6 @@ def plot_curve(
 # `opsd demo`
 
 
-def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--control",
-        action="store_true",
-        help="the scientific control: no solution in the teacher's context (it should teach nothing)",
-    )
-    p.add_argument(
-        "--compare",
-        action="store_true",
-        help="OPSD against GRPO, SFT and two controls at equal optimizer steps (docs/demo.md)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--seeds", type=_seed_list, default=None, help="--compare: seeds, e.g. 0,1,2 (default: --seed)"
-    )
-    p.add_argument(
-        "--steps", type=int, default=DemoSettings.opsd_steps, help="optimizer steps (every method)"
-    )
-    p.add_argument(
-        "--run-dir", type=Path, default=None, help="default: runs/demo[-control]-seedN, runs/demo-compare"
-    )
-    p.add_argument(
-        "--cache", type=Path, default=None, help="where base models are cached (default $OPSD_HOME/demo)"
-    )
-
-
-def _seed_list(text: str) -> list[int]:
-    try:
-        seeds = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--seeds {text!r}: expected integers separated by commas, e.g. 0,1,2"
-        ) from None
-    if not seeds:
-        raise argparse.ArgumentTypeError("--seeds: give at least one seed, e.g. 0,1,2")
-    return seeds
-
-
 def format_table(r: dict) -> str:
     """The before/after table `opsd demo` prints (markdown, so it pastes into issues and docs)."""
     steps = r["settings"]["opsd_steps"]
@@ -338,63 +295,3 @@ def format_table(r: dict) -> str:
         else f"\ngain {100 * r['gain']:+.1f} points"
     )
     return "\n".join(lines)
-
-
-def run_demo(args: argparse.Namespace) -> int:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # per-checkpoint "writing shards" bars would bury the demo's own
-    if args.steps < 1:
-        raise UserError(f"--steps must be >= 1, got {args.steps}")
-    if args.compare and args.control:
-        raise UserError("--control and --compare: the comparison runs the controls itself; drop --control")
-    if args.seeds is not None and not args.compare:
-        raise UserError("--seeds is for --compare; the plain demo takes one --seed")
-    try:
-        return _run_compare(args) if args.compare else _run_one(args)
-    except KeyboardInterrupt as e:
-        print(f"opsd demo: interrupted{f' ({e})' if str(e) else ''}", file=sys.stderr)
-        return 130
-
-
-def _run_one(args: argparse.Namespace) -> int:
-    s = DemoSettings(seed=args.seed, opsd_steps=args.steps)
-    run_dir = args.run_dir or Path("runs") / f"demo{'-control' if args.control else ''}-seed{args.seed}"
-    what = "WITHOUT the worked solution (control)" if args.control else "reading the worked solution"
-    print(
-        f"opsd demo: {s.digits}-digit addition, tiny Llama ({s.layers}x{s.hidden}), seed {s.seed}; "
-        f"fixed teacher {what}",
-        file=sys.stderr,
-    )
-    r = run_opsd(s, run_dir, control=args.control, cache=args.cache)
-    print()
-    print(format_table(r))
-    print(f"plot: {r['plot']}")
-    print(
-        f"run directory: {run_dir} ({r['seconds']:.0f} s, of which base model {r['seconds_base_model']:.0f} s)"
-    )
-    print(
-        f"training alone again: opsd train --config {run_dir / 'config.yaml'} logging.run_dir=runs/opsd-demo-again"
-    )
-    return 0
-
-
-def _run_compare(args: argparse.Namespace) -> int:
-    from opsd.demo.compare import format_compare_table, grpo_prompts, run_compare
-
-    s = DemoSettings(opsd_steps=args.steps)
-    seeds = args.seeds or [args.seed]
-    out = args.run_dir or Path("runs") / "demo-compare"
-    print(
-        f"opsd demo --compare: {s.digits}-digit addition, tiny Llama ({s.layers}x{s.hidden}), seeds "
-        f"{','.join(map(str, seeds))}; {s.opsd_steps} optimizer steps each: OPSD ({s.prompts_per_step} problems x 1 "
-        f"sample), GRPO ({grpo_prompts(s)} problems x {s.grpo_n} samples), SFT ({s.prompts_per_step} worked "
-        "solutions), control A (teacher without the solution), control B (another problem's solution)",
-        file=sys.stderr,
-    )
-    r = run_compare(s, seeds, out, cache=args.cache)
-    print()
-    print(format_compare_table(r))
-    print(f"plot: {r['plot']}")
-    print(f"run directories: {out}/seedN/METHOD ({r['seconds']:.0f} s in all)")
-    return 0
