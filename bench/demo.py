@@ -12,6 +12,10 @@ slow it down.
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (and in child processes)
+
 import argparse
 import json
 import os

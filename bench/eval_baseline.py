@@ -9,6 +9,10 @@ times the first batch and evaluates the first N problems that fit the time budge
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (and in child processes)
+
 import argparse
 import json
 import math
