@@ -12,9 +12,9 @@ import os
 
 import pytest
 import torch
+from test_trainer import build_assets
 
 from opsd import Trainer, load_config
-from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
 CASES = {
     "fixed-lora": {},
@@ -46,16 +46,7 @@ RTOL = 1e-6
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("pinned")
-    tok = build_tiny_tokenizer()
-    for name, seed in (("model", 0), ("other", 1)):
-        m = build_tiny_model(tok, hidden_size=32, seed=seed)
-        m.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-    rows = [{"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
-             "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 5), (6, 1)]]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"model": str(root / "model"), "other": str(root / "other"), "data": str(root / "train.jsonl")}
+    return build_assets(tmp_path_factory.mktemp("pinned"))
 
 
 @pytest.mark.parametrize("case", list(CASES))
