@@ -58,7 +58,7 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["hf", "vllm", "vllm_server"] = "hf"  # vllm_server: not built yet (a clear error)
     prompts_per_step: int = Field(8, ge=1)  # the global batch: under torchrun each rank draws its share
     n: int = Field(1, ge=1)  # responses per prompt
     temperature: float = Field(1.1, ge=0)
@@ -75,6 +75,14 @@ class RolloutConfig(_Section):
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the trainer model's dtype
     max_model_len: int | None = Field(None, ge=1)  # vLLM context; None: data.max_prompt_len + max_new_tokens
     vllm_kwargs: dict[str, Any] = {}  # vLLM: extra vllm.LLM() arguments, e.g. enforce_eager: true
+    # Compare the engine's log-prob of each sampled token with the trainer's (metric logprob_gap): auto
+    # does it for vLLM. Needs plain sampling (temperature > 0, top_k=0, top_p=1): the engine reports
+    # log-probs of the distribution it sampled from, which top-k/top-p renormalise.
+    logprob_check: Literal["auto"] | bool = "auto"
+
+    def checks_logprobs(self) -> bool:
+        plain = self.temperature > 0 and self.top_k == 0 and self.top_p == 1.0
+        return plain and (self.logprob_check is True or (self.logprob_check == "auto" and self.engine == "vllm"))
 
     def prompts_per_rank(self, world_size: int) -> int:
         """Each rank's share of ``prompts_per_step``; the global batch must split evenly, so that
@@ -224,6 +232,13 @@ class Config(_Section):
             raise ValueError("loss.mode=topk needs loss.topk >= 1")
         if lc.mode == "sampled" and lc.clip_mode != "none":
             raise ValueError("loss.mode=sampled needs loss.clip_mode=none (it has no per-entry divergence)")
+        r = self.rollout
+        if r.engine == "vllm_server":
+            raise ValueError("rollout.engine=vllm_server (a separate `vllm serve` fleet) is not built yet; use "
+                             "rollout.engine=vllm (one colocated engine per trainer rank) or hf")
+        if r.logprob_check is True and not (r.temperature > 0 and r.top_k == 0 and r.top_p == 1.0):
+            raise ValueError("rollout.logprob_check=true needs rollout.temperature > 0, top_k=0 and top_p=1 (with "
+                             f"temperature={r.temperature}, top_k={r.top_k}, top_p={r.top_p} the log-probs differ by design)")
         if self.rollout.engine == "hf" and self.rollout.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
         if self.eval.every and not self.eval.path:

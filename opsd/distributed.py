@@ -429,6 +429,7 @@ def zero_weight_microbatch(pad_id: int, device: torch.device | str) -> MicroBatc
         teacher_pos=pos,
         targets=torch.full((1,), pad_id, dtype=torch.long, device=dev),
         weights=torch.zeros(1, dtype=torch.float32, device=dev),
+        rollout_logprobs=None,
         response_lens=[1],
         sample_indices=[],
         student_real_tokens=0,

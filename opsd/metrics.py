@@ -28,6 +28,8 @@ STEP_KEYS = (
     "real_token_frac_teacher", "real_token_frac_student", "skipped_nonfinite",
     "prompt_truncated_student", "prompt_truncated_teacher", "epoch", *TIME_KEYS, "time_step", "peak_mem_gb",
 )
+# Written only when measured: the rollout/trainer log-prob gap (rollout.logprob_check), GRPO's reward.
+OPTIONAL_KEYS = ("logprob_gap", "reward_mean", "flat_group_frac")
 
 
 def step_record(
@@ -73,6 +75,8 @@ def step_record(
         "peak_mem_gb": float(peak_mem_gb),
     }
     assert tuple(rec) == STEP_KEYS
+    if "logprob_gap" in loss_stats:  # mean |log-prob of the rollout engine - the trainer's| per checked token
+        rec["logprob_gap"] = float(loss_stats["logprob_gap"])
     return rec
 
 

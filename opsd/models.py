@@ -8,6 +8,7 @@ model that cannot be found fails fast with one line that says what to do instead
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +37,8 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "merged_state_dict",
+    "merged_weight_names",
+    "merged_weights",
     "resolve_model_path",
 ]
 
@@ -280,33 +283,52 @@ def _base_name(key: str) -> str:
     return key.replace(".modules_to_save.default", "")
 
 
+def _lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """HF name of each LoRA-wrapped base weight -> its (unmerged) LoRA module."""
+    out = {}
+    for name, mod in model.named_modules():
+        if hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer") and not getattr(mod, "merged", False):
+            out[_base_name(f"{name}.base_layer.weight")] = mod
+    return out
+
+
+def _weight_keys(model: nn.Module) -> list[tuple[str, str]]:
+    """(state-dict key, HF name) of every base-model tensor, in state-dict order."""
+    return [(k, _base_name(k)) for k in model.state_dict() if "lora_" not in k and "original_module" not in k]
+
+
+def merged_weight_names(model: nn.Module) -> list[str]:
+    """The HF names :func:`merged_weights` yields, without computing any tensor."""
+    return [name for _, name in _weight_keys(model)]
+
+
 @torch.no_grad()
-def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The weights with the active LoRA deltas folded in (``W + scale * B @ A``), under HF names.
+def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """The weights with the active LoRA deltas folded in (``W + scale * B @ A``), under HF names,
+    one tensor at a time.
 
     Computed out of place, so the live weights are never touched: peft's merge_adapter() /
     unmerge_adapter() round trip adds and subtracts the delta in place, which in bf16 does not give
-    back the base weights (the fixed teacher) bit for bit. Unchanged tensors are shared, not copied.
-    A model without adapters gives its plain state dict.
+    back the base weights (the fixed teacher) bit for bit. Each merged matrix is made only when it is
+    yielded, so a consumer that drops it before asking for the next (a weight sync into vLLM) never
+    holds more than one; unchanged tensors are the live ones, not copies.
     """
-    sd = {
-        _base_name(k): v.detach()
-        for k, v in model.state_dict().items()
-        if "lora_" not in k and "original_module" not in k
-    }
-    for name, mod in model.named_modules():
-        if not (hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer")) or getattr(
-            mod, "merged", False
-        ):
-            continue
-        key = _base_name(f"{name}.base_layer.weight")
-        for adapter in mod.active_adapters:
+    lora, state = _lora_modules(model), model.state_dict()
+    for key, name in _weight_keys(model):
+        value = state[key].detach()
+        mod = lora.get(name)
+        for adapter in mod.active_adapters if mod is not None else ():
             if adapter not in getattr(mod, "lora_A", {}):
                 continue
             if getattr(mod, "use_dora", {}).get(adapter, False):
                 raise NotImplementedError(f"{name}: merging a DoRA adapter out of place is not supported")
-            sd[key] = sd[key] + mod.get_delta_weight(adapter).detach().to(sd[key].dtype)
-    return sd
+            value = value + mod.get_delta_weight(adapter).detach().to(value.dtype)
+        yield name, value
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """All of :func:`merged_weights` at once (checkpoint export); a plain model gives its state dict."""
+    return dict(merged_weights(model))
 
 
 def resolve_device(device: str) -> torch.device:

@@ -22,7 +22,7 @@ EVAL_PREFIX = "eval/"
 
 # (file stem, title, panels); a panel is a list of keys sharing one y axis. A plot is drawn when any
 # of its keys has data; "stack:" panels are drawn as a stacked area (the step-time breakdown). Keys
-# are names from opsd.metrics.STEP_KEYS (tests/test_report.py checks it), and the step-time stack is
+# are names from opsd.metrics.STEP_KEYS or OPTIONAL_KEYS (tests/test_report.py checks it), and the step-time stack is
 # opsd.metrics.TIME_KEYS, so a phase the trainer times is a phase this plot shows.
 PLOTS: list[tuple[str, str, list[list[str]]]] = [
     ("loss", "Loss and mean divergence", [["loss"], ["divergence"]]),
@@ -40,6 +40,8 @@ PLOTS: list[tuple[str, str, list[list[str]]]] = [
         [["tokens_per_s"], ["stack:" + k for k in TIME_KEYS]],
     ),
     ("optim", "Learning rate, grad norm and memory", [["lr"], ["grad_norm"], ["peak_mem_gb"]]),
+    ("logprob_gap", "Rollout engine vs trainer: mean |log-prob difference| per token", [["logprob_gap"]]),
+    ("reward", "GRPO: mean reward and groups without signal", [["reward_mean"], ["flat_group_frac"]]),
 ]
 
 

@@ -34,7 +34,7 @@ from transformers.generation.logits_process import (
 
 from opsd.distributed import is_sharded
 from opsd.errors import UserError
-from opsd.models import merged_state_dict
+from opsd.models import merged_weight_names, merged_weights
 
 if TYPE_CHECKING:
     from opsd.config import RolloutConfig
@@ -483,20 +483,22 @@ class VLLMEngine:
     # -- weights -----------------------------------------------------------------------------
 
     def _load(self, model) -> None:
-        state = merged_state_dict(model)  # HF names, LoRA folded in out of place
-        check_weight_coverage(state, self._vllm_params, self._packed)
-        names = list(state)
+        """Streams the merged weights into vLLM one tensor at a time: each merged LoRA matrix (or, under
+        FSDP2, each gathered full tensor) exists only until vLLM has copied it into its own layer."""
+        names = merged_weight_names(model)
+        check_weight_coverage(names, self._vllm_params, self._packed)
+        sent: list[str] = []
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for name in names:
-                t = state.pop(name)  # vLLM holds the only reference once it has read it
-                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()  # FSDP2 shards
+            for name, t in merged_weights(model):  # HF names, LoRA folded in out of place
+                sent.append(name)
+                yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)  # FSDP2 shards
 
         self.llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True}
         )
-        if state:
-            raise RuntimeError(f"vLLM did not read {len(state)} weights, e.g. {sorted(state)[:5]}")
+        if len(sent) != len(names):
+            raise RuntimeError(f"vLLM read {len(sent)} of {len(names)} weights; first unread: {names[len(sent)]}")
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def sync_weights(self, model) -> None:

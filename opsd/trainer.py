@@ -23,7 +23,7 @@ from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.distributed import all_reduce_sum, forward_hidden, full_head_weight, pad_microbatches
 from opsd.errors import TrainingError
-from opsd.loss import LossStats, fused_linear_distill, fused_linear_policy_gradient
+from opsd.loss import LossStats, fused_linear_distill, fused_linear_policy_gradient, token_logprobs
 from opsd.optim import make_optimizer
 from opsd.rewards import flat_group_fraction, group_advantages, make_reward
 from opsd.rollout import SamplingParams, make_engine
@@ -57,7 +57,7 @@ class Trainer:
                                external=self._external, frozen_copy=cfg.teacher.frozen_copy, shard=shard)
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
-        self.spec = cfg.loss.to_spec(cfg.rollout.temperature)
+        self.spec, self.check_lp = cfg.loss.to_spec(cfg.rollout.temperature), cfg.rollout.checks_logprobs()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
         self.optimizer, self.scheduler = make_optimizer(
@@ -147,8 +147,8 @@ class Trainer:
             completions = self.rollout([student for student, _ in prompts])
 
         # 3. Splice each response, token for token, after the student prompt and the teacher prompt.
-        samples = [make_sample(*prompts[c.prompt_index], c.token_ids, ex_idx[c.prompt_index], c.finish_reason)
-                   for c in completions if c.token_ids]
+        samples = [make_sample(*prompts[c.prompt_index], c.token_ids, ex_idx[c.prompt_index], c.finish_reason,
+                               c.logprobs if self.check_lp else None) for c in completions if c.token_ids]
         tokens, seqs = all_reduce_sum(torch.tensor(
             [sum(s.response_len for s in samples), len(samples)], dtype=torch.float64)).tolist()
         adv = self.advantages(completions, ex_idx) if self.reward else None  # GRPO: group-relative, per sample
@@ -179,14 +179,16 @@ class Trainer:
 
     def loss(self, s_hidden: Tensor, t_hidden: Tensor | None, t_head: Tensor | None, mb, adv: list[float] | None):
         """The distillation loss against the teacher; with GRPO, the policy gradient ``-A log S(y)``."""
-        head = full_head_weight(self.model)
+        head, chunk, r = full_head_weight(self.model), self.cfg.loss.chunk_size, self.cfg.rollout
         if adv is None:
-            return fused_linear_distill(s_hidden, head, t_hidden, t_head, mb.weights, mb.targets, self.spec,
-                                        chunk_size=self.cfg.loss.chunk_size)
-        a = torch.tensor([adv[i] for i, n in zip(mb.sample_indices, mb.response_lens) for _ in range(n)],
-                         dtype=mb.weights.dtype, device=mb.weights.device)
-        return fused_linear_policy_gradient(s_hidden, head, mb.targets, mb.weights * a,
-                                            temperature=self.spec.temperature, chunk_size=self.cfg.loss.chunk_size)
+            loss, st = fused_linear_distill(s_hidden, head, t_hidden, t_head, mb.weights, mb.targets, self.spec, chunk_size=chunk)
+        else:
+            a = mb.weights.new_tensor([adv[i] for i, n in zip(mb.sample_indices, mb.response_lens) for _ in range(n)])
+            loss, st = fused_linear_policy_gradient(s_hidden, head, mb.targets, mb.weights * a, temperature=self.spec.temperature, chunk_size=chunk)
+        if mb.rollout_logprobs is not None:  # the train/inference mismatch: engine's log S(y) against ours
+            mine = token_logprobs(s_hidden, head, mb.targets, temperature=r.temperature, chunk_size=chunk)
+            st.logprob_gap, st.logprob_tokens = float((mine - mb.rollout_logprobs).abs().sum()), float(mine.numel())
+        return loss, st
 
     def advantages(self, completions: list, ex_idx: list[int]) -> list[float]:
         """Each response's reward (its grade against the answer) minus its group's mean, one entry per

@@ -24,6 +24,8 @@ from opsd.models import (
     load_model,
     load_tokenizer,
     merged_state_dict,
+    merged_weight_names,
+    merged_weights,
     resolve_model_path,
 )
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
@@ -339,6 +341,25 @@ def test_merged_state_dict_of_a_plain_model_is_its_state_dict(tiny_model):
     merged = merged_state_dict(tiny_model)
     assert merged.keys() == tiny_model.state_dict().keys()
     assert all(torch.equal(merged[k], v) for k, v in tiny_model.state_dict().items())
+
+
+def test_merged_weights_merges_one_matrix_at_a_time(tiny_model):
+    """Defect 8 of the vLLM issue: the stream builds each merged LoRA matrix only when it is asked for,
+    so a consumer that drops it before the next never holds two; names come without any tensor."""
+    lora = _lora(tiny_model)
+    _randomize_lora_b(lora)
+    calls = []
+    for mod in lora.modules():
+        if hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer"):
+            mod.get_delta_weight = (lambda f: lambda a: calls.append(a) or f(a))(mod.get_delta_weight)
+    names = merged_weight_names(lora)
+    assert calls == [] and not any("lora_" in n or "base_layer" in n for n in names)
+    stream, seen = merged_weights(lora), []
+    for name, _ in stream:
+        seen.append(name)
+        lora_so_far = sum(".q_proj." in n or ".v_proj." in n for n in seen)
+        assert len(calls) == lora_so_far  # no delta computed ahead of its own tensor
+    assert seen == names and len(calls) > 1
 
 
 # --- tiny tokenizer and model -----------------------------------------------------------------

@@ -11,7 +11,7 @@ from PIL import Image
 
 from opsd.cli import main
 from opsd.errors import UserError
-from opsd.metrics import STEP_KEYS, TIME_KEYS, step_record
+from opsd.metrics import OPTIONAL_KEYS, STEP_KEYS, TIME_KEYS, step_record
 from opsd.report import (
     PLOTS,
     Panel,
@@ -140,7 +140,7 @@ def test_cli_missing_run_dir_is_one_line(tmp_path: Path, capsys: pytest.CaptureF
 def test_plots_cover_the_trainers_metric_names() -> None:
     """Every key a plot asks for is one the trainer writes, and the step-time plot has every phase."""
     keys = {k.removeprefix("stack:") for _, _, panels in PLOTS for panel in panels for k in panel}
-    assert keys <= set(STEP_KEYS), keys - set(STEP_KEYS)
+    assert keys <= set(STEP_KEYS) | set(OPTIONAL_KEYS), keys - set(STEP_KEYS) - set(OPTIONAL_KEYS)
     throughput = next(panels for stem, _, panels in PLOTS if stem == "throughput")
     assert [k.removeprefix("stack:") for k in throughput[1]] == list(TIME_KEYS)
     assert "time_loss" in TIME_KEYS

@@ -509,9 +509,9 @@ def test_vllm_coverage_check_refuses_a_partial_sync(fake_vllm, monkeypatch, tiny
     import opsd.rollout as rollout
 
     engine = _vllm_engine(tiny_model, tiny_tokenizer)
-    full = rollout.merged_state_dict
+    full = rollout.merged_weight_names
     gap = "model.layers.1.self_attn.k_proj.weight"
-    monkeypatch.setattr(rollout, "merged_state_dict", lambda m: {k: v for k, v in full(m).items() if k != gap})
+    monkeypatch.setattr(rollout, "merged_weight_names", lambda m: [k for k in full(m) if k != gap])
     del fake_vllm.log[:]
     with pytest.raises(RuntimeError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight \(needs .*k_proj"):
         engine.sync_weights(tiny_model)

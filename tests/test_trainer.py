@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -318,3 +319,25 @@ def test_two_steps_on_real_smollm2(smollm2_path, tmp_path):
     assert len(hist) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
     assert hist[0]["divergence"] > 0 and 0 < hist[0]["agreement"] <= 1
     assert list_checkpoints(tmp_path / "run")[-1].name == "step_000002"
+
+
+def test_logprob_check_measures_the_rollout_trainer_gap(assets, tmp_path):
+    """rollout.logprob_check: the HF engine samples from the trainer's own weights, so the gap is rounding;
+    an engine whose log-probs are off by 0.5 shows 0.5. Off (auto with HF), the metric is absent."""
+    tr = Trainer(make_cfg(assets, tmp_path / "on", **{"rollout.logprob_check": "true", "optim.max_steps": 1}))
+    (rec,) = tr.train()
+    assert 0.0 <= rec["logprob_gap"] < 1e-4
+    tr = Trainer(make_cfg(assets, tmp_path / "shifted", **{"rollout.logprob_check": "true", "optim.max_steps": 1}))
+    generate = tr.engine.generate
+    tr.engine.generate = lambda *a: [replace(c, logprobs=[x - 0.5 for x in c.logprobs]) for c in generate(*a)]
+    (rec,) = tr.train()
+    assert rec["logprob_gap"] == pytest.approx(0.5, abs=1e-4)
+    (rec,) = Trainer(make_cfg(assets, tmp_path / "off", **{"optim.max_steps": 1})).train()
+    assert "logprob_gap" not in rec
+
+
+def test_logprob_check_refuses_top_k_and_vllm_server_is_a_clear_error(assets, tmp_path):
+    with pytest.raises(UserError, match="logprob_check=true needs"):
+        make_cfg(assets, tmp_path / "r", **{"rollout.logprob_check": "true", "rollout.top_k": 5})
+    with pytest.raises(UserError, match="vllm_server.*not built yet"):
+        make_cfg(assets, tmp_path / "r", **{"rollout.engine": "vllm_server"})

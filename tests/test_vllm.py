@@ -139,9 +139,9 @@ def test_coverage_check_fails_loudly(engine, assets, base_model, monkeypatch):
     import opsd.rollout as rollout
 
     before = _greedy(engine, assets["prompts"])
-    full = rollout.merged_state_dict
+    full = rollout.merged_weight_names
     gap = "model.layers.1.mlp.up_proj.weight"
-    monkeypatch.setattr(rollout, "merged_state_dict", lambda m: {k: v for k, v in full(m).items() if k != gap})
+    monkeypatch.setattr(rollout, "merged_weight_names", lambda m: [k for k in full(m) if k != gap])
     with pytest.raises(RuntimeError, match=r"model\.layers\.1\.mlp\.gate_up_proj\.weight \(needs .*up_proj"):
         engine.sync_weights(base_model)
     monkeypatch.undo()
@@ -215,3 +215,6 @@ def test_three_training_steps_with_vllm(assets, tmp_path):
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in recs)
+    # rollout.logprob_check=auto is on for vLLM: the engine's log-probs against the trainer's, per step
+    # (fp32 both sides; LoRA changes the weights between steps, and every step's sync carries them).
+    assert all(0.0 <= r["logprob_gap"] < 1e-3 for r in recs), [r["logprob_gap"] for r in recs]

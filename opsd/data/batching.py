@@ -20,6 +20,7 @@ class Sample:
     response_len: int  # response occupies the LAST response_len positions of both
     example_index: int
     finish_reason: str
+    rollout_logprobs: list[float] | None = None  # the engine's log-prob of each response token, if reported
 
 
 def make_sample(
@@ -28,6 +29,7 @@ def make_sample(
     response: list[int],
     example_index: int,
     finish_reason: str,
+    logprobs: list[float] | None = None,
 ) -> Sample:
     """Append the same response ids to both prompts; nothing is decoded and re-encoded."""
     if not response:
@@ -45,7 +47,10 @@ def make_sample(
         response_len=len(response),
         example_index=example_index,
         finish_reason=finish_reason,
+        rollout_logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
     )
+    if logprobs is not None and len(logprobs) != len(response):
+        raise ValueError(f"example {example_index}: {len(logprobs)} log-probs for {len(response)} response tokens")
     check_alignment(sample)
     return sample
 
@@ -137,6 +142,7 @@ class MicroBatch:
     teacher_pos: Tensor  # [R] long
     targets: Tensor  # [R] long: the response token ids
     weights: Tensor  # [R] float32: each token's weight in the global loss
+    rollout_logprobs: Tensor | None  # [R] float32: the rollout engine's log-probs (None: not all reported)
     response_lens: list[int]
     sample_indices: list[int]  # which samples (indices into make_microbatches' input)
     student_real_tokens: int
@@ -206,6 +212,8 @@ def _microbatch(
         teacher_pos=t_pos,
         targets=targets,
         weights=weights,
+        rollout_logprobs=None if any(s.rollout_logprobs is None for s in mb) else torch.tensor(
+            [x for s in mb for x in s.rollout_logprobs], dtype=torch.float32, device=device),
         response_lens=resp,
         sample_indices=list(group),
         student_real_tokens=sum(len(s.student_ids) for s in mb),

@@ -52,7 +52,7 @@ from opsd.loss.spec import CLIP_MODES, MODES, REDUCTIONS, DistillSpec, LossStats
 
 if TYPE_CHECKING:
     from opsd.loss.fused import auto_chunk_size, fused_linear_distill
-    from opsd.loss.policy_gradient import fused_linear_policy_gradient
+    from opsd.loss.policy_gradient import fused_linear_policy_gradient, token_logprobs
     from opsd.loss.reference import distill_loss_dense, per_token_loss_dense
     from opsd.loss.vocab_parallel import vocab_parallel_distill
 
@@ -63,6 +63,7 @@ _LAZY = {
     "per_token_loss_dense": "reference",
     "vocab_parallel_distill": "vocab_parallel",
     "fused_linear_policy_gradient": "policy_gradient",
+    "token_logprobs": "policy_gradient",
 }
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "distill_loss_dense",
     "fused_linear_distill",
     "per_token_loss_dense",
+    "token_logprobs",
     "vocab_parallel_distill",
 ]
 

@@ -62,3 +62,22 @@ def fused_linear_policy_gradient(
         grad_w.to(weight.dtype) if grad_w is not None else None,
     )
     return out, stats
+
+
+@torch.no_grad()
+def token_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> Tensor:
+    """``log softmax(h W^T / T)[y]`` per row, in fp32 (float64 for float64 input), a chunk at a time.
+
+    The trainer's log-prob of each sampled token, to compare with what the rollout engine reported
+    for the same token (``rollout.logprob_check``): the train/inference mismatch.
+    """
+    dtype = compute_dtype(hidden)
+    w, out = weight.detach().to(dtype), torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+    step = chunk_size or auto_chunk_size(weight.shape[0])
+    for start in range(0, hidden.shape[0], step):
+        z = (hidden[start : start + step].detach().to(dtype) / temperature) @ w.t()
+        y = targets[start : start + step, None]
+        out[start : start + step] = (z.gather(-1, y) - z.logsumexp(-1, keepdim=True)).squeeze(-1)
+    return out

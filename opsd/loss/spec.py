@@ -72,6 +72,8 @@ class LossStats:
     entropy_student: float = 0.0
     entropy_teacher: float = 0.0
     agree: float = 0.0  # teacher and student top-1 agree
+    logprob_gap: float = 0.0  # sum over checked tokens of |rollout engine's log S(y) - trainer's log S(y)|
+    logprob_tokens: float = 0.0  # tokens checked (0: no check this step)
 
     def add(self, other: LossStats) -> LossStats:
         for f in fields(self):
@@ -88,8 +90,10 @@ class LossStats:
         return cls(*[float(x) for x in t.tolist()])
 
     def means(self) -> dict[str, float]:
+        """Per-token means; ``logprob_gap`` only when tokens were checked."""
         n = max(self.tokens, 1.0)
-        return {
+        gap = {"logprob_gap": self.logprob_gap / self.logprob_tokens} if self.logprob_tokens else {}
+        return gap | {
             "divergence": self.divergence / n,
             "clip_frac": self.clipped / max(self.clip_total, 1.0),
             "entropy_student": self.entropy_student / n,

@@ -1,0 +1,107 @@
+"""vLLM's CPU build against opsd's HF engine: generation tokens/s on SmolLM2-135M-Instruct.
+
+Runs in the vLLM environment (`bash scripts/vllm_cpu_env.sh`); both engines in float32 (this CPU has
+no bf16 matrix units), the same chat-formatted math prompts, every sample forced to exactly
+--new-tokens tokens (min tokens), sampling at temperature 1. The HF engine is timed first, then the
+vLLM engine (started once, enforce_eager, its KV cache sized for the largest batch). Results go to
+the "vLLM-CPU vs HF engine (bench/vllm_rollout.py)" section of docs/benchmarks.md. Run it alone:
+it waits for the 1-minute load average to fall below 0.5 and records the load before and after.
+
+    .venv-vllm/bin/python bench/vllm_rollout.py                 # batch 8 and 32, 128 new tokens
+    .venv-vllm/bin/python bench/vllm_rollout.py --quick         # smoke run, prints only
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see opsd.cli)
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _md import write_section  # noqa: E402
+from rollout import Timing, engine_tps, load_prompts, machine_info  # noqa: E402
+
+from opsd.config import RolloutConfig  # noqa: E402
+from opsd.fetch import fetch_model  # noqa: E402
+from opsd.models import load_model, load_tokenizer, resolve_model_path  # noqa: E402
+from opsd.rollout import HFEngine, make_engine  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+HEADING = "vLLM-CPU vs HF engine (bench/vllm_rollout.py)"
+
+
+def _load() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def wait_idle(limit: float = 0.5, timeout_s: float = 1800) -> None:
+    t0 = time.time()
+    while os.getloadavg()[0] >= limit and time.time() - t0 < timeout_s:
+        time.sleep(10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run; does not write docs")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch_sizes, args.new_tokens = [2, 4], 8
+    import vllm
+
+    fetch_model("smollm2-135m-instruct")
+    path = resolve_model_path("smollm2-135m-instruct")
+    tok, model = load_tokenizer(str(path)), load_model(str(path), dtype="float32").eval()
+    prompts, source = load_prompts(tok, max(args.batch_sizes))
+    if not args.quick:
+        wait_idle()
+    before = _load()
+    print(machine_info(), flush=True)
+    hf: dict[int, Timing] = {}
+    engine_tps(HFEngine(model, tok, batch_size=2), prompts[:2], 4)  # warm-up
+    for bs in args.batch_sizes:
+        hf[bs] = engine_tps(HFEngine(model, tok, batch_size=bs), prompts[:bs], args.new_tokens)
+        print(f"HF   batch {bs}: {hf[bs].tps:.1f} tok/s ({hf[bs].wall_s:.1f} s)", flush=True)
+    cfg = RolloutConfig(engine="vllm", batch_size=max(args.batch_sizes), vllm_kwargs={
+        "enforce_eager": True, "kv_cache_memory_bytes": 1 << 30})
+    t0 = time.perf_counter()
+    eng = make_engine(cfg, model, tok, seed=0, max_prompt_len=max(len(p) for p in prompts), model_path=str(path))
+    start_s = time.perf_counter() - t0
+    engine_tps(eng, prompts[:2], 4)  # warm-up
+    vl: dict[int, Timing] = {}
+    for bs in args.batch_sizes:
+        vl[bs] = engine_tps(eng, prompts[:bs], args.new_tokens)
+        print(f"vLLM batch {bs}: {vl[bs].tps:.1f} tok/s ({vl[bs].wall_s:.1f} s)", flush=True)
+    eng.close()
+    after = _load()
+    print(f"load average (1/5/15 min) before {before}, after {after}; vLLM engine start {start_s:.0f} s")
+    lines = [
+        f"`.venv-vllm/bin/python bench/vllm_rollout.py`, vLLM {vllm.__version__} (CPU build), "
+        f"{machine_info()}. Load average (1/5/15 min) before {before}, after {after}.",
+        "",
+        f"SmolLM2-135M-Instruct in float32, {source}, {args.new_tokens} new tokens per sample forced "
+        "(min tokens), temperature 1, one sample per prompt. HF engine: opsd's `HFEngine` (transformers "
+        "`generate`, KV cache, left padding). vLLM: opsd's `VLLMEngine` (in-process `LLM`, "
+        f"`external_launcher`, `enforce_eager`, 1 GiB KV cache); engine start {start_s:.0f} s, not counted.",
+        "",
+        "| batch | HF engine tok/s | vLLM-CPU tok/s | vLLM / HF |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {bs} | {hf[bs].tps:.1f} | {vl[bs].tps:.1f} | {vl[bs].tps / hf[bs].tps:.2f}x |"
+              for bs in args.batch_sizes]
+    body = "\n".join(lines)
+    print(body)
+    if not args.quick:
+        write_section(args.out, HEADING, body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
