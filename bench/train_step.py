@@ -36,6 +36,30 @@ ROOT = Path(__file__).resolve().parents[1]
 MATH = ROOT.parent / "shared" / "data" / "math_train.jsonl"
 
 
+def bench_config(data: Path, overrides: list[str]):
+    """The benchmark's run config (the issue's setting); exits with a line if the model or data is missing."""
+    from opsd.config import load_config
+    from opsd.fetch import cached_model_path
+
+    model = cached_model_path("smollm2-135m-instruct")
+    if model is None:
+        sys.exit("SmolLM2 is not fetched: run `opsd fetch-model smollm2-135m-instruct` first")
+    if not data.is_file():
+        sys.exit(f"{data} not found (the public MATH train split, see ../shared/data/README.md)")
+    rows = [json.loads(x) for x in data.read_text().splitlines()[:32]]
+    tmp = Path(tempfile.mkdtemp(prefix="opsd-bench-"))
+    (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return load_config(None, [
+        f"model.path={model}", "model.dtype=float32", "model.lora.r=16", "model.lora.alpha=32",
+        f"data.path={tmp / 'rows.jsonl'}", "data.shuffle=false", "data.max_prompt_len=1024",
+        "data.max_teacher_prompt_len=2048",
+        "rollout.prompts_per_step=8", "rollout.n=1", "rollout.max_new_tokens=128", "rollout.temperature=1.1",
+        "loss.mode=jsd", "loss.beta=0", "loss.clip_mode=entry", "loss.clip=0.05",
+        "optim.max_steps=4", "optim.lr=5e-6", "optim.grad_clip=0.1", "checkpoint.enabled=false",
+        f"logging.run_dir={tmp / 'run'}", "logging.sample_every=0", "device=cpu", *overrides,
+    ])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=MATH)
@@ -44,27 +68,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra config overrides, e.g. model.gradient_checkpointing=true")
     args = ap.parse_args()
 
-    from opsd.config import load_config
-    from opsd.fetch import cached_model_path
     from opsd.trainer import Trainer
 
-    model = cached_model_path("smollm2-135m-instruct")
-    if model is None:
-        sys.exit("SmolLM2 is not fetched: run `opsd fetch-model smollm2-135m-instruct` first")
-    if not args.data.is_file():
-        sys.exit(f"{args.data} not found (the public MATH train split, see ../shared/data/README.md)")
-    rows = [json.loads(x) for x in args.data.read_text().splitlines()[:32]]
-    tmp = Path(tempfile.mkdtemp(prefix="opsd-bench-"))
-    (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(None, [
-        f"model.path={model}", "model.dtype=float32", "model.lora.r=16", "model.lora.alpha=32",
-        f"data.path={tmp / 'rows.jsonl'}", "data.shuffle=false", "data.max_prompt_len=1024",
-        "data.max_teacher_prompt_len=2048",
-        "rollout.prompts_per_step=8", "rollout.n=1", "rollout.max_new_tokens=128", "rollout.temperature=1.1",
-        "loss.mode=jsd", "loss.beta=0", "loss.clip_mode=entry", "loss.clip=0.05",
-        "optim.max_steps=4", "optim.lr=5e-6", "optim.grad_clip=0.1", "checkpoint.enabled=false",
-        f"logging.run_dir={tmp / 'run'}", "logging.sample_every=0", "device=cpu", *args.overrides,
-    ])
+    cfg = bench_config(args.data, args.overrides)
     load_before = os.getloadavg()[0]
     print(f"load before: {load_before:.2f} (a timed result needs < 0.5)", flush=True)
     trainer = Trainer(cfg)

@@ -151,6 +151,9 @@ class OptimConfig(_Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     max_steps: int = Field(100, ge=1)
     max_tokens_per_microbatch: int = Field(8192, ge=1)
+    # A micro-batch takes the next (shorter) sample only while its real tokens stay at least this
+    # fraction of its padded ones: similar lengths together, little padding computed. 0: fill to the budget.
+    min_real_token_frac: float = Field(0.8, ge=0, le=1)
     max_bad_steps: int = Field(3, ge=1)  # consecutive non-finite steps before stopping
 
 

@@ -153,8 +153,8 @@ class Trainer:
             [sum(s.response_len for s in samples), len(samples)], dtype=torch.float64)).tolist()
         adv = self.advantages(completions, ex_idx) if self.reward else None  # GRPO: group-relative, per sample
         batches = pad_microbatches(make_microbatches(  # padded to as many on every rank: FSDP's collectives match
-            samples, max_tokens=cfg.optim.max_tokens_per_microbatch, pad_id=self.pad_id, reduction=self.spec.reduction,
-            global_tokens=tokens, global_seqs=seqs, device=self.device), self.pad_id, self.device)
+            samples, max_tokens=cfg.optim.max_tokens_per_microbatch, min_real_frac=cfg.optim.min_real_token_frac, pad_id=self.pad_id,
+            reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs, device=self.device), self.pad_id, self.device)
 
         # 4-7. Per micro-batch: the teacher scores the response, the student reads it, fused loss, backward.
         loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()

@@ -751,6 +751,31 @@ def test_pack_properties(lengths: list[int], max_tokens: int) -> None:
     assert pack_microbatches(list(lengths), max_tokens) == groups  # deterministic
 
 
+def test_pack_keeps_similar_lengths_together() -> None:
+    """The issue's rows: teacher prompts with solutions from ~200 to ~1100 tokens. One padded group would
+    compute 8 x 1100; with min_real_frac=0.8 each group keeps >= 80% real tokens and far less is padded."""
+    lengths = [1100, 900, 700, 500, 300, 250, 200, 200]
+    assert pack_microbatches(lengths, 9000) == [list(range(8))]  # fill to the budget: 4150 real of 8800
+    groups = pack_microbatches(lengths, 9000, 0.8)
+    assert groups == [[0, 1, 2], [3, 4], [5, 6, 7]]
+    padded = sum(len(g) * max(lengths[i] for i in g) for g in groups)
+    assert padded == 3300 + 1000 + 750 and sum(lengths) / padded > 0.8
+    assert pack_microbatches([5, 5, 5], 100, 1.0) == [[0, 1, 2]]  # equal lengths never split
+    with pytest.raises(ValueError, match="min_real_frac"):
+        pack_microbatches([1], 4, 1.5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), max_size=60), max_tokens=st.integers(1, 1000),
+       frac=st.floats(0.0, 1.0))
+def test_pack_min_real_frac_properties(lengths: list[int], max_tokens: int, frac: float) -> None:
+    groups = pack_microbatches(lengths, max_tokens, frac)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        real, padded = sum(lengths[i] for i in g), len(g) * max(lengths[i] for i in g)
+        assert len(g) == 1 or (padded <= max_tokens and real >= frac * padded - 1e-9)
+
+
 def _trainer_microbatch(mb: list[Sample], pad: int, reduction: str, global_tokens: float, global_seqs: float):
     """What Trainer.step built per micro-batch before MicroBatch, written out without the helpers."""
     resp = [s.response_len for s in mb]

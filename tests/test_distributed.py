@@ -504,3 +504,58 @@ def test_checkpoint_extra_state_must_be_plain_data(tmp_path, no_torchrun, tiny_t
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(UserError, match="not a distributed checkpoint"):
         D.load_distributed(tmp_path / "missing", model, None)
+
+
+# --- the vLLM engine's tensor-parallel group, against the fake vllm of tests/test_rollout.py -------
+
+
+def _tp_group_worker(d: D.Dist, tmp: str) -> None:
+    """Two ranks form one tensor-parallel group: each engine runs the union of the group's prompts with
+    the first rank's seed, and each rank gets back only its own completions, renumbered."""
+    import sys
+    from types import SimpleNamespace
+
+    import test_rollout as fakes
+    import torch.distributed as dist
+
+    from opsd.config import RolloutConfig
+    from opsd.rollout import SamplingParams, make_engine
+
+    tok = build_tiny_tokenizer()
+    model = build_tiny_model(tok, hidden_size=32, num_layers=2)
+    model.config._name_or_path = tmp
+    log, llms = [], []
+
+    def LLM(**kw):
+        llms.append(fakes._FakeLLM(list(model.state_dict()), log, **kw))
+        return llms[-1]
+
+    platform = SimpleNamespace(is_sleep_mode_available=lambda: False, is_cpu=lambda: True)
+    sys.modules.update({
+        "vllm": SimpleNamespace(__version__="0.32.0", LLM=LLM, SamplingParams=lambda **kw: SimpleNamespace(kwargs=kw)),
+        "vllm.platforms": SimpleNamespace(current_platform=platform),
+        "vllm.distributed": SimpleNamespace(destroy_model_parallel=lambda: None, destroy_distributed_environment=lambda: None),
+    })
+    cfg = RolloutConfig(engine="vllm", tensor_parallel_size=2, max_new_tokens=5)
+    eng = make_engine(cfg, model, tok, seed=0, max_prompt_len=50)
+    assert llms[0].kwargs["tensor_parallel_size"] == 2
+    prompts = [[1, 2, 3], [4, 5]] if d.rank == 0 else [[6, 7, 8, 9]]
+    out = eng.generate(prompts, 2, SamplingParams(max_new_tokens=5, seed=100 + d.rank))
+    assert ("generate", 3) in log  # the union of the group's three prompts
+    assert [c.prompt_index for c in out] == ([0, 0, 1, 1] if d.rank == 0 else [0, 0])
+    union = [[o.token_ids for o in sorted(x.outputs, key=lambda o: o.index)] for x in llms[0].last_outs]
+    both: list = [None, None]
+    dist.all_gather_object(both, ([c.token_ids for c in out], union))
+    assert both[0][1] == both[1][1]  # the same seed on both ranks: identical draws for the union
+    assert both[1][0] == both[0][1][2] and both[0][0] == both[0][1][0] + both[0][1][1]
+    try:  # ranks of one group asking for different settings is an error on every rank
+        eng.generate(prompts, 1 + d.rank, SamplingParams(max_new_tokens=5))
+        raise AssertionError("mismatched n was accepted")
+    except RuntimeError as e:
+        assert "different sampling settings" in str(e)
+    eng.close()
+
+
+@pytest.mark.slow
+def test_vllm_tensor_parallel_group_runs_the_union_with_one_seed(tmp_path):
+    _spawn(_tp_group_worker, str(tmp_path))

@@ -345,6 +345,7 @@ class _FakeLLM:
                 lps = [{t: SimpleNamespace(logprob=-0.5)} for t in toks]
                 samples.append(SimpleNamespace(index=j, token_ids=toks, logprobs=lps, finish_reason="length"))
             outs.append(SimpleNamespace(outputs=samples[::-1]))  # vLLM does not promise index order
+        self.last_outs = outs
         return outs
 
 

@@ -72,30 +72,38 @@ def check_alignment(sample: Sample) -> None:
         )
 
 
-def pack_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Group sample indices so each micro-batch fits max_tokens once padded.
+def pack_microbatches(lengths: list[int], max_tokens: int, min_real_frac: float = 0.0) -> list[list[int]]:
+    """Group sample indices so each micro-batch fits max_tokens once padded, with little padding.
 
     lengths[i] must be max(len(student_i), len(teacher_i)): the teacher is longer by the whole solution.
     Each sample is its own padded row, so attention never crosses samples; a group therefore costs
     len(group) * max(lengths in group) tokens, and that padded size is what the budget bounds.
     Samples are sorted longest first (ties by index) and chunked greedily, which is first-fit-decreasing
-    for this cost. A sample longer than max_tokens goes alone. Groups come longest first (an OOM shows up
-    on the first micro-batch) with indices ascending inside each group; the result is deterministic.
+    for this cost. A group also closes before the next sample would bring its real tokens below
+    ``min_real_frac`` of its padded ones: rows of similar length go together, so the forwards compute
+    little padding (teacher prompts with solutions vary several-fold in length), at the price of more,
+    smaller micro-batches. A sample longer than max_tokens goes alone. Groups come longest first (an OOM
+    shows up on the first micro-batch) with indices ascending inside each group; the result is deterministic.
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    if not 0.0 <= min_real_frac <= 1.0:
+        raise ValueError(f"min_real_frac must be in [0, 1], got {min_real_frac}")
     for i, n in enumerate(lengths):
         if n <= 0:
             raise ValueError(f"sample {i} has length {n}; lengths must be > 0")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     groups: list[list[int]] = []
     current: list[int] = []
+    real = 0
     for i in order:
         longest = lengths[current[0]] if current else lengths[i]
-        if current and (len(current) + 1) * longest > max_tokens:
+        padded = (len(current) + 1) * longest
+        if current and (padded > max_tokens or real + lengths[i] < min_real_frac * padded):
             groups.append(current)
-            current = []
+            current, real = [], 0
         current.append(i)
+        real += lengths[i]
     if current:
         groups.append(current)
     return [sorted(g) for g in groups]
@@ -160,17 +168,20 @@ def make_microbatches(
     global_tokens: float,
     global_seqs: float,
     device: torch.device | str,
+    min_real_frac: float = 0.0,
 ) -> list[MicroBatch]:
     """Pack samples under ``max_tokens`` padded tokens and build each group's tensors.
 
-    Groups come from :func:`pack_microbatches` on max(student, teacher) length, in its order. The
+    Groups come from :func:`pack_microbatches` on max(student, teacher) length (``min_real_frac``: the
+    least real-token fraction of a group with more than one sample), in its order. The
     weights make the sum over all ranks' micro-batches the global loss: ``token`` reduction gives every
     response token 1 / global_tokens, ``sequence`` gives a length-n response's tokens 1 / (n * global_seqs)
     (each sequence's mean, averaged over sequences).
     """
     if reduction not in ("token", "sequence"):
         raise ValueError(f"reduction must be 'token' or 'sequence', got {reduction!r}")
-    groups = pack_microbatches([max(len(s.student_ids), len(s.teacher_ids)) for s in samples], max_tokens)
+    lengths = [max(len(s.student_ids), len(s.teacher_ids)) for s in samples]
+    groups = pack_microbatches(lengths, max_tokens, min_real_frac)
     return [
         _microbatch(samples, group, pad_id, reduction, global_tokens, global_seqs, torch.device(device))
         for group in groups
