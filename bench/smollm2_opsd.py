@@ -80,7 +80,7 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
     tokens = sum(s.response_len for s in samples)
     batches = make_microbatches(
         samples,
-        max_tokens=cfg.optim.max_tokens_per_microbatch,
+        max_tokens=trainer.mb_tokens,
         pad_id=trainer.pad_id,
         reduction=trainer.spec.reduction,
         global_tokens=tokens,

@@ -62,8 +62,8 @@ def main() -> int:
     prompts, source = load_prompts(tok, max(args.batch_sizes))
     if not args.quick:
         wait_idle()
-    before = _load()
-    print(machine_info(), flush=True)
+    before, info = _load(), machine_info()
+    print(info, flush=True)
     hf: dict[int, Timing] = {}
     engine_tps(HFEngine(model, tok, batch_size=2), prompts[:2], 4)  # warm-up
     for bs in args.batch_sizes:
@@ -84,7 +84,7 @@ def main() -> int:
     print(f"load average (1/5/15 min) before {before}, after {after}; vLLM engine start {start_s:.0f} s")
     lines = [
         f"`.venv-vllm/bin/python bench/vllm_rollout.py`, vLLM {vllm.__version__} (CPU build), "
-        f"{machine_info()}. Load average (1/5/15 min) before {before}, after {after}.",
+        f"{info}. Load average (1/5/15 min) before {before}, after {after} (the benchmark's own 2 threads).",
         "",
         f"SmolLM2-135M-Instruct in float32, {source}, {args.new_tokens} new tokens per sample forced "
         "(min tokens), temperature 1, one sample per prompt. HF engine: opsd's `HFEngine` (transformers "

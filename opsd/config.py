@@ -150,7 +150,8 @@ class OptimConfig(_Section):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     max_steps: int = Field(100, ge=1)
-    max_tokens_per_microbatch: int = Field(8192, ge=1)
+    # Padded tokens per micro-batch; auto sizes it from the model and the free memory (logged at start).
+    max_tokens_per_microbatch: int | Literal["auto"] = "auto"
     # A micro-batch takes the next (shorter) sample only while its real tokens stay at least this
     # fraction of its padded ones: similar lengths together, little padding computed. 0: fill to the budget.
     min_real_token_frac: float = Field(0.8, ge=0, le=1)

@@ -39,6 +39,8 @@ __all__ = [
     "merged_state_dict",
     "merged_weight_names",
     "merged_weights",
+    "microbatch_budget",
+    "activation_bytes_per_token",
     "resolve_model_path",
 ]
 
@@ -349,6 +351,36 @@ def cpu_has_bf16_matmul() -> bool:
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) -> int:
+    """What a decoder's forward keeps for its backward, per token: about 8 hidden-size and 5
+    intermediate-size vectors per layer (norms, q/k/v, attention output, residuals; gate, up, the
+    activation and its product), or one hidden-size vector per layer with activation checkpointing
+    (plus one layer recomputed at a time). An upper estimate for Llama/Qwen-style models."""
+    h, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    inter = int(getattr(config, "intermediate_size", 4 * h) or 4 * h)
+    width = torch.finfo(dtype).bits // 8
+    per_layer = h if checkpointing else 8 * h + 5 * inter
+    return (layers * per_layer + (8 * h + 5 * inter if checkpointing else 0)) * width
+
+
+def microbatch_budget(setting: int | str, config, dtype: torch.dtype, device: torch.device,
+                      checkpointing: bool) -> tuple[int, str]:
+    """``optim.max_tokens_per_microbatch: auto``: as many tokens as keep the student's saved activations
+    within a quarter of the accelerator's free memory, or within 1 GiB on a CPU (where generation, the
+    data and the OS share the RAM; it holds a SmolLM2-135M LoRA step near 2 GiB). Between 256 and
+    16,384 tokens. Returns the budget and the reason (a one-line notice)."""
+    if setting != "auto":
+        return int(setting), "set in the config"
+    per_token = activation_bytes_per_token(config, dtype, checkpointing)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        room, where = free // 4, f"a quarter of the {free / 2**30:.1f} GiB free on {device}"
+    else:
+        room, where = 1 << 30, "1 GiB on the CPU"
+    tokens = max(256, min(16384, room // per_token))
+    return tokens, f"~{per_token / 2**20:.2f} MiB of activations per token, {where}"
 
 
 def pick_dtype(dtype: str, device: torch.device) -> tuple[str, str]:

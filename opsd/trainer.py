@@ -65,8 +65,10 @@ class Trainer:
             total=o.max_steps, schedule=o.scheduler, min_ratio=o.min_lr_ratio)
         self.engine = distributed.run_setup(lambda: make_engine(cfg.rollout, self.model, self.tokenizer, seed=cfg.seed,
                                                     max_prompt_len=cfg.data.max_prompt_len), "rollout engine start")
-        self.step_num = self.bad_steps = 0
-        self.stop = GracefulStop()
+        self.mb_tokens, why = models.microbatch_budget(o.max_tokens_per_microbatch, models.base_model(self.model).config,
+                                                       models.DTYPES[self.dtype], self.device, cfg.model.gradient_checkpointing)
+        self.rank or print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
+        self.step_num, self.bad_steps, self.stop = 0, 0, GracefulStop()
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
         self.metrics = distributed.run_setup(lambda: self._start(resume), "run directory setup")
@@ -153,7 +155,7 @@ class Trainer:
             [sum(s.response_len for s in samples), len(samples)], dtype=torch.float64)).tolist()
         adv = self.advantages(completions, ex_idx) if self.reward else None  # GRPO: group-relative, per sample
         batches = pad_microbatches(make_microbatches(  # padded to as many on every rank: FSDP's collectives match
-            samples, max_tokens=cfg.optim.max_tokens_per_microbatch, min_real_frac=cfg.optim.min_real_token_frac, pad_id=self.pad_id,
+            samples, max_tokens=self.mb_tokens, min_real_frac=cfg.optim.min_real_token_frac, pad_id=self.pad_id,
             reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs, device=self.device), self.pad_id, self.device)
 
         # 4-7. Per micro-batch: the teacher scores the response, the student reads it, fused loss, backward.
@@ -193,8 +195,8 @@ class Trainer:
     def advantages(self, completions: list, ex_idx: list[int]) -> list[float]:
         """Each response's reward (its grade against the answer) minus its group's mean, one entry per
         non-empty response (the samples); records the step's mean reward and flat-group fraction."""
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        rewards = [self.reward(t, self.examples[ex_idx[c.prompt_index]].answer) for t, c in zip(texts, completions)]
+        rewards = [self.reward(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), self.examples[ex_idx[c.prompt_index]].answer)
+                   for c in completions]
         groups = [c.prompt_index for c in completions]
         adv = group_advantages(rewards, groups, scale=self.cfg.grpo.scale_rewards)
         self._grpo_sums = [sum(rewards), len(rewards), flat_group_fraction(rewards, groups) * len(set(groups)),
@@ -251,9 +253,7 @@ class Trainer:
             skipped=not finite, prompt_truncated=dict(zip(self.prompts.truncated, counts[4:])), epoch=self.cursor.epoch,
             times=timer.times, elapsed=time.perf_counter() - t_start, peak_mem_gb=metrics.peak_memory_gb(self.device),
         )
-        if grpo:
-            rec.update(reward_mean=grpo[0] / max(1, grpo[1]), flat_group_frac=grpo[2] / max(1, grpo[3]))
-        return rec
+        return rec | ({"reward_mean": grpo[0] / max(1, grpo[1]), "flat_group_frac": grpo[2] / max(1, grpo[3])} if grpo else {})
 
     # ------------------------------------------------------------------------------------------
     # The loop

@@ -362,6 +362,25 @@ def test_merged_weights_merges_one_matrix_at_a_time(tiny_model):
     assert seen == names and len(calls) > 1
 
 
+def test_microbatch_budget_auto_from_model_size():
+    """optim.max_tokens_per_microbatch=auto: SmolLM2-135M in fp32 keeps ~1.4 MiB a token for backward,
+    so 1 GiB on a CPU is 728 tokens; checkpointing keeps one vector a layer; a set value passes through."""
+    from types import SimpleNamespace
+
+    from opsd.models import activation_bytes_per_token, microbatch_budget
+
+    smol = SimpleNamespace(hidden_size=576, num_hidden_layers=30, intermediate_size=1536)
+    cpu = torch.device("cpu")
+    assert activation_bytes_per_token(smol, torch.float32, False) == 30 * (8 * 576 + 5 * 1536) * 4
+    assert activation_bytes_per_token(smol, torch.bfloat16, False) * 2 == activation_bytes_per_token(smol, torch.float32, False)
+    tokens, why = microbatch_budget("auto", smol, torch.float32, cpu, False)
+    assert tokens == (1 << 30) // (30 * (8 * 576 + 5 * 1536) * 4) == 728 and "1 GiB" in why
+    assert microbatch_budget("auto", smol, torch.float32, cpu, True)[0] > 8 * tokens
+    tiny = SimpleNamespace(hidden_size=32, num_hidden_layers=2, intermediate_size=64)
+    assert microbatch_budget("auto", tiny, torch.float32, cpu, False)[0] == 16384  # capped
+    assert microbatch_budget(4096, smol, torch.float32, cpu, False) == (4096, "set in the config")
+
+
 # --- tiny tokenizer and model -----------------------------------------------------------------
 
 
