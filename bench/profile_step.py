@@ -18,6 +18,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
 
 import argparse  # noqa: E402
+import resource  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -76,6 +77,9 @@ def main() -> None:
         f"Step {rec['time_step']:.1f} s for {rec['tokens']} completion tokens: "
         + ", ".join(f"{p} {rec['time_' + p]:.1f} s" for p in phases)
         + f"; outside generation {1000 * outside / rec['tokens']:.1f} ms per completion token.",
+        f"Real-token fraction of the forwards: teacher {rec['real_token_frac_teacher']:.2f}, student "
+        f"{rec['real_token_frac_student']:.2f}; micro-batch budget {trainer.mb_tokens} padded tokens. Peak RSS of "
+        f"the process (model load and profiler included): **{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB**.",
         "",
         f"- Matrix products (`{'`, `'.join(MATMULS)}`): **{100 * mm_us / total_us:.0f}%** of the step's self CPU "
         f"time, at **{mm_flops / max(mm_us, 1) / 1e3:.0f} GFLOP/s** achieved.",
