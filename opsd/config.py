@@ -80,9 +80,13 @@ class RolloutConfig(_Section):
     # log-probs of the distribution it sampled from, which top-k/top-p renormalise.
     logprob_check: Literal["auto"] | bool = "auto"
 
+    def plain_sampling(self) -> bool:
+        """Sampling from the tempered softmax itself (no top-k/top-p): the log-probs are comparable."""
+        return self.temperature > 0 and self.top_k == 0 and self.top_p == 1.0
+
     def checks_logprobs(self) -> bool:
-        plain = self.temperature > 0 and self.top_k == 0 and self.top_p == 1.0
-        return plain and (self.logprob_check is True or (self.logprob_check == "auto" and self.engine == "vllm"))
+        on = self.logprob_check is True or (self.logprob_check == "auto" and self.engine == "vllm")
+        return on and self.plain_sampling()
 
     def prompts_per_rank(self, world_size: int) -> int:
         """Each rank's share of ``prompts_per_step``; the global batch must split evenly, so that
@@ -240,10 +244,10 @@ class Config(_Section):
         if r.engine == "vllm_server":
             raise ValueError("rollout.engine=vllm_server (a separate `vllm serve` fleet) is not built yet; use "
                              "rollout.engine=vllm (one colocated engine per trainer rank) or hf")
-        if r.logprob_check is True and not (r.temperature > 0 and r.top_k == 0 and r.top_p == 1.0):
+        if r.logprob_check is True and not r.plain_sampling():
             raise ValueError("rollout.logprob_check=true needs rollout.temperature > 0, top_k=0 and top_p=1 (with "
                              f"temperature={r.temperature}, top_k={r.top_k}, top_p={r.top_p} the log-probs differ by design)")
-        if self.rollout.engine == "hf" and self.rollout.tensor_parallel_size > 1:
+        if r.engine == "hf" and r.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
         if self.eval.every and not self.eval.path:
             raise ValueError("eval.every > 0 needs eval.path (a held-out file with answers)")
