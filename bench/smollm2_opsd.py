@@ -181,7 +181,8 @@ def main() -> None:
     from opsd.config import load_config
     from opsd.data import load_examples
     from opsd.fetch import cached_model_path
-    from opsd.models import pick_dtype, resolve_device
+    from opsd.models import resolve_device
+    from opsd.precision import compute_dtype, dtype_name
     from opsd.trainer import Trainer
 
     model = cached_model_path("smollm2-135m-instruct")
@@ -191,7 +192,7 @@ def main() -> None:
         if not (SHARED / f).is_file():
             sys.exit(f"{SHARED / f} not found (see ../shared/data/README.md)")
     dev = resolve_device(args.device)
-    device, (dtype, _) = str(dev), pick_dtype(args.dtype, dev)  # auto: bf16 where there are bf16 matrix units
+    device, dtype = str(dev), dtype_name(compute_dtype(args.dtype, dev)[0])  # auto: bf16 where there are bf16 units
 
     # Data: the last --heldout rows of MATH train are held out; training draws from the rest.
     if args.out.exists():

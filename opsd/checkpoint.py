@@ -40,6 +40,9 @@ from opsd.errors import TrainingError, UserError
 from opsd.models import base_model, merged_state_dict
 
 PREFIX = "step_"
+# state.pt's "format". 1 (no key): before float32 master weights; a bf16 full fine-tuning run stored
+# bf16 weights and AdamW state, which load exactly into the float32 masters of format 2.
+FORMAT = 2
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -248,6 +251,17 @@ def load_checkpoint(
         return loaded.shared_state, {}
     set_rng_state(loaded.rank_state["rng"])
     return loaded.shared_state, loaded.rank_state
+
+
+def check_format(ckpt: Path) -> int:
+    """The checkpoint's format; one that this opsd cannot read is refused with one line."""
+    fmt = int(load_state(ckpt).get("format", 1))
+    if fmt > FORMAT:
+        raise UserError(
+            f"{ckpt}: checkpoint format {fmt} was written by a newer opsd (this one reads formats 1 to "
+            f"{FORMAT}); upgrade opsd to resume it"
+        )
+    return fmt
 
 
 def load_state(ckpt: Path, device: torch.device | str = "cpu") -> dict:

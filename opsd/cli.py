@@ -42,10 +42,13 @@ def _run_train(args: argparse.Namespace) -> int:
     # Under torchrun: this rank's device, the process group and the FSDP mesh, before any rollout
     # engine starts. One process without torchrun's environment gets none of them.
     dist = init_distributed(cfg.device, replicate=cfg.parallel.replicate, timeout_s=cfg.parallel.timeout_s)
+    trainer = None
     try:
         trainer = Trainer(cfg, resume=args.resume is not None, overwrite=args.overwrite, dist=dist)
         trainer.train()
     finally:
+        if trainer is not None:  # the engine first: vLLM's teardown still needs the process group
+            trainer.close()
         if dist.mesh is not None:  # only the group made here (one process's vLLM engine owns its own)
             shutdown()
     if dist.is_main:

@@ -33,7 +33,11 @@ class LoraConfig(_Section):
 class ModelConfig(_Section):
     path: str = "smollm2-135m-instruct"  # HF name, local dir, or a short name from `opsd fetch-model`
     trust_remote_code: bool = False  # run the model repository's own Python code (only for repos you trust)
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 where the hardware has bf16 matrix units
+    # The compute dtype of the forwards. auto: bfloat16 where the device has bf16 matrix units (CUDA;
+    # CPUs with AMX/AVX512-BF16, or OPSD_CPU_BF16=1), else float32. Full fine-tuning in bf16 keeps
+    # float32 master weights and AdamW state; LoRA keeps the frozen base in this dtype, adapters in fp32.
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
+    pure_bf16: bool = False  # full fine-tuning in bf16 with bf16 weights and AdamW state: no fp32 master copy
     attn_implementation: str | None = "sdpa"
     gradient_checkpointing: bool = False
     lora: LoraConfig = LoraConfig()
@@ -134,7 +138,7 @@ class ParallelConfig(_Section):
     """How `opsd train` spreads over the processes torchrun starts; one process without torchrun ignores it."""
 
     replicate: int = Field(1, ge=1)  # HSDP: shard within world_size/replicate ranks (a node), replicate across
-    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype of gathered weights; auto: as stored
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype of gathered weights; auto: model.dtype's
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are summed over ranks in
     timeout_s: int | None = Field(None, ge=1)  # a collective waiting longer fails; None: torch's default
 

@@ -32,6 +32,8 @@ from opsd.data import DEFAULT_INSTRUCTION, Example, load_examples, student_promp
 from opsd.errors import UserError
 from opsd.grading import GRADERS, Grader, grade, normalize_gold, pass_at_k
 from opsd.models import load_model, load_tokenizer, resolve_model_path
+from opsd.precision import dtype_name
+from opsd.precision import resolve as resolve_precision
 from opsd.rollout import HFEngine, SamplingParams
 
 
@@ -328,7 +330,9 @@ def evaluate(
     # Every tokenizer first: a typo in the last model path fails before hours of generating for the first.
     tokenizers = [load_tokenizer(m) for m in models]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    # The trainer's resolver: auto is bf16 where the device has bf16 matrix units (OPSD_CPU_BF16 on a CPU).
+    prec = resolve_precision(dtype or "auto", torch.device(device), full_finetune=False)
+    dtype = dtype_name(prec.compute)
 
     from opsd.config import RolloutConfig
     from opsd.rollout import make_engine
@@ -338,7 +342,7 @@ def evaluate(
         # vLLM loads its own copy from the path; the HF copy on CPU only feeds the initial weight sync.
         hf_model = load_model(
             name,
-            dtype="bfloat16" if engine == "vllm" else dtype,
+            dtype=dtype,
             device="cpu" if engine == "vllm" else device,
         )
         rollout = RolloutConfig(
@@ -370,7 +374,7 @@ def evaluate(
             progress=progress,
             grader=grader,
         )
-        res.settings.update(device=device, dtype=dtype if engine == "hf" else "bfloat16")
+        res.settings.update(device=device, dtype=dtype)
         results[label] = res
         if out_dir is not None:
             extra = {"model": name, "data": str(data), "rows_in_file": len(report.examples)}
@@ -403,7 +407,7 @@ def evaluate(
 class EvalModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: list[str] = Field(min_length=1)  # model dirs or fetched short names; several: a side-by-side table
-    dtype: Literal["float32", "bfloat16"] | None = None  # None: bfloat16 on cuda, float32 on cpu
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] | None = None  # None/auto: as `opsd train` resolves it
 
     @field_validator("path", mode="before")
     @classmethod
@@ -565,7 +569,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seed (default 0)")
     p.add_argument("--batch-size", type=int, help="rollout.batch_size: sequences per HF generate call")
     p.add_argument("--device", help="device: auto (default: cuda if available), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", help="model.dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--dtype", help="model.dtype (default auto: bfloat16 where the device has bf16 matrix units)")
     p.add_argument("--out", type=Path, help="out: output dir (default: runs/eval-<data>-<time>)")
 
 

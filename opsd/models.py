@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +24,7 @@ from opsd.fetch import (
     hub_reachable,
     opsd_home,
 )
+from opsd.precision import DTYPES
 
 __all__ = [
     "CHATML_SPECIAL_TOKENS",
@@ -43,15 +45,6 @@ __all__ = [
     "activation_bytes_per_token",
     "resolve_model_path",
 ]
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 # Heads that are not a plain ``hidden @ W.T``: the fused loss would silently compute the wrong logits.
 _NONLINEAR_HEAD_ATTRS = (
@@ -182,22 +175,65 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Pre
 
 def load_model(
     name_or_path: str,
-    dtype: str = "float32",
+    dtype: str | torch.dtype = "float32",
     attn_implementation: str | None = None,
     device: str = "cpu",
     *,
     trust_remote_code: bool = False,
 ) -> PreTrainedModel:
     """Load a causal LM from a short name, directory or hub name onto one device."""
-    if dtype not in DTYPES:
+    if isinstance(dtype, str) and dtype not in DTYPES:
         raise UserError(f"dtype {dtype!r} not supported; allowed: {sorted(DTYPES)}")
     resolved = resolve_model_path(name_or_path)
     _check_source(name_or_path, resolved, "model")
-    kwargs: dict = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code}
+    torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    kwargs: dict = {"dtype": torch_dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = _from_pretrained(AutoModelForCausalLM, "model", name_or_path, resolved, **kwargs)
+    if torch_dtype == torch.float64:
+        float64_throughout(model)
     return model.to(device)
+
+
+# RMSNorm classes whose forward is ``weight * x * rsqrt(mean(x^2) + eps)`` computed in float32.
+_PLAIN_RMSNORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
+def float64_throughout(model: nn.Module) -> None:
+    """Make a float64 model compute in float64 everywhere, for reference numerics (the pinned
+    regression test): transformers computes RoPE tables and RMSNorm statistics in float32 whatever
+    the model's dtype, and float32 ``cos``, ``sin``, ``rsqrt`` and sums round differently on
+    different instruction sets (AVX512, AVX2, scalar), so a float64 run would carry float32
+    rounding that depends on the CPU. Forward hooks recompute default RoPE tables and the RMSNorms
+    of Llama/Qwen/Mistral in float64; other RoPE types and norms keep transformers' own code.
+    """
+    for mod in model.modules():
+        if type(mod).__name__ in _PLAIN_RMSNORMS:
+            mod.register_forward_hook(_float64_rmsnorm)
+            continue
+        cfg = getattr(mod, "config", None)
+        if getattr(mod, "rope_type", None) != "default" or not hasattr(mod, "inv_freq") or cfg is None:
+            continue
+        base = cfg.rope_parameters["rope_theta"]
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        mod.register_forward_hook(partial(_float64_rope, inv_freq=inv), with_kwargs=True)
+
+
+def _float64_rmsnorm(mod: nn.Module, args: tuple, output: Tensor) -> Tensor:
+    x = args[0]
+    if x.dtype != torch.float64:
+        return output
+    return mod.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon))
+
+
+def _float64_rope(mod: nn.Module, args: tuple, kwargs: dict, output: tuple, *, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+    named = dict(zip(("x", "position_ids"), args)) | kwargs
+    x, position_ids = named["x"], named["position_ids"]
+    freqs = position_ids[..., None].to(torch.float64) * inv_freq.to(x.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * mod.attention_scaling).to(x.dtype), (emb.sin() * mod.attention_scaling).to(x.dtype)
 
 
 # --- training setup ---------------------------------------------------------------------------
@@ -233,7 +269,23 @@ def apply_lora(
     )
     if gradient_checkpointing:
         model.enable_input_require_grads()
-    return get_peft_model(model, config).train()
+    peft_model = get_peft_model(model, config)
+    portable_lora_init(peft_model)
+    return peft_model.train()
+
+
+@torch.no_grad()
+def portable_lora_init(model: nn.Module) -> None:
+    """Re-draw every ``lora_A`` from peft's own distribution (uniform on +-1/sqrt(fan_in), what its
+    Kaiming-uniform init with a=sqrt(5) gives) from integers alone, so a seed gives bit-identical
+    adapters on every CPU: ``uniform_`` rounds differently in vectorized and scalar kernels (1.5e-8
+    between AVX512 and scalar code), which moved every later number. ``lora_B`` stays zero."""
+    for _, mod in sorted(model.named_modules(), key=lambda kv: kv[0]):
+        for name in sorted(getattr(mod, "lora_A", {}) or {}):
+            w = mod.lora_A[name].weight
+            k = torch.randint(0, 2**24, tuple(w.shape), dtype=torch.int64)
+            u = (k.to(torch.float64) - 2**23 + 0.5) * 2.0**-23  # exact in float64
+            w.copy_((u / w.shape[1] ** 0.5).to(w.dtype))
 
 
 # --- the forward the loss needs ---------------------------------------------------------------
@@ -343,16 +395,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def cpu_has_bf16_matmul() -> bool:
-    """True when the CPU has bf16 matrix instructions (AMX-BF16 or AVX512-BF16); without them oneDNN
-    emulates bf16 products, which measured ~25x slower than float32 on an AMD EPYC without either."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) -> int:
     """What a decoder's forward keeps for its backward, per token: about 8 hidden-size and 5
     intermediate-size vectors per layer (norms, q/k/v, attention output, residuals; gate, up, the
@@ -381,17 +423,3 @@ def microbatch_budget(setting: int | str, config, dtype: torch.dtype, device: to
         room, where = 1 << 30, "1 GiB on the CPU"
     tokens = max(256, min(16384, room // per_token))
     return tokens, f"~{per_token / 2**20:.2f} MiB of activations per token, {where}"
-
-
-def pick_dtype(dtype: str, device: torch.device) -> tuple[str, str]:
-    """Resolve ``model.dtype=auto``: bfloat16 on a CUDA device that supports it or a CPU with bf16
-    matrix units, float32 elsewhere. Returns the dtype and the reason (for a one-line notice)."""
-    if dtype != "auto":
-        return dtype, "set in the config"
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bfloat16", "CUDA device with bf16 support"
-        return "float32", "CUDA device without bf16 support"
-    if cpu_has_bf16_matmul():
-        return "bfloat16", "CPU with AMX/AVX512-BF16 matrix units"
-    return "float32", "CPU without bf16 matrix units (bf16 would be emulated, many times slower)"

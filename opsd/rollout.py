@@ -195,10 +195,13 @@ class HFEngine:
     forwards until every rank's batch has finished.
     """
 
-    def __init__(self, model, tokenizer, batch_size: int = 32) -> None:
+    def __init__(self, model, tokenizer, batch_size: int = 32, autocast_dtype: torch.dtype | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        # bf16 compute over float32 master weights (one process): generate under autocast, as the trainer's
+        # forwards run, so the rollout samples from the distribution the trainer scores.
+        self.autocast_dtype = autocast_dtype
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ValueError("tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
@@ -233,7 +236,8 @@ class HFEngine:
         self.model.eval()
         results: list[Completion | None] = [None] * len(items)
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            amp = torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), amp:
                 torch.manual_seed(seed)
                 for start in range(0, len(order), self.batch_size):
                     chunk = order[start : start + self.batch_size]
@@ -604,6 +608,12 @@ class VLLMEngine:
         return comps
 
 
+def _vllm_dtype(setting: str, compute: torch.dtype | None) -> str:
+    if setting != "auto" or compute is None:
+        return setting
+    return str(compute).removeprefix("torch.")
+
+
 def make_engine(
     rollout: RolloutConfig,
     model,
@@ -612,14 +622,18 @@ def make_engine(
     seed: int,
     max_prompt_len: int | None = None,
     model_path: str | None = None,
+    compute_dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> RolloutEngine:
     """The engine the rollout config asks for, on `model` (the trainer's live model object).
 
     `max_prompt_len` sizes vLLM's context when rollout.max_model_len is unset; `model_path` is the
     directory vLLM loads the architecture from (default: where `model` was loaded from).
+    `compute_dtype` is vLLM's dtype when rollout.vllm_dtype is auto (the trainer's compute dtype, not
+    the float32 of master weights); `autocast_dtype` makes the HF engine generate under autocast.
     """
     if rollout.engine == "hf":
-        return HFEngine(model, tokenizer, batch_size=rollout.batch_size)
+        return HFEngine(model, tokenizer, batch_size=rollout.batch_size, autocast_dtype=autocast_dtype)
     if rollout.engine == "vllm":
         max_len = rollout.max_model_len
         if max_len is None and max_prompt_len is not None:
@@ -631,7 +645,7 @@ def make_engine(
             model_path=model_path,
             tensor_parallel_size=rollout.tensor_parallel_size,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
-            dtype=rollout.vllm_dtype,
+            dtype=_vllm_dtype(rollout.vllm_dtype, compute_dtype),
             max_model_len=max_len,
             max_num_seqs=rollout.batch_size,
             sleep_level=rollout.vllm_sleep_level,

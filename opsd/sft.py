@@ -56,6 +56,7 @@ def sft(
     progress: bool = True,
     desc: str = "sft",
     callback: Callable[[int, float], None] | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> list[float]:
     """Train ``model`` in place on random batches of ``pairs``; returns the per-step mean token loss.
 
@@ -63,6 +64,7 @@ def sft(
     down to ``min_lr_ratio * lr`` at ``steps``). To look at the model part way, pass
     ``callback(step, loss)`` (called after every step) rather than calling ``sft`` in pieces: each call
     restarts the warmup and the decay. ``grad_clip``: max global grad norm, 0 disables clipping.
+    ``autocast_dtype``: compute the forward in this dtype over the model's (float32 master) weights.
     """
     if not pairs:
         raise ValueError("sft: no (prompt, response) pairs to train on")
@@ -88,8 +90,9 @@ def sft(
         resp = [len(r) for _, r in batch]
         pos = response_positions([len(s) for s in seqs], resp, ids.shape[1])
         targets = torch.tensor([t for _, r in batch for t in r], device=device)
-        hidden = final_hidden(model, ids, mask, pos)
-        loss = chunked_cross_entropy(hidden, head_weight(model), targets) / len(targets)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            hidden = final_hidden(model, ids, mask, pos)
+            loss = chunked_cross_entropy(hidden, head_weight(model), targets) / len(targets)
         loss.backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
@@ -112,7 +115,10 @@ def sft(
 class SFTModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str  # HF name, local dir, or a short name from `opsd fetch-model`
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    # The compute dtype, resolved as `opsd train` does (auto: bf16 where the device has bf16 matrix units);
+    # bf16 trains float32 master weights under autocast (pure_bf16: true stores bf16 weights instead).
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
+    pure_bf16: bool = False
 
 
 class SFTDataConfig(BaseModel):
@@ -188,7 +194,7 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--problem-key", help="data.problem_key (default problem)")
     p.add_argument("--solution-key", help="data.solution_key (default solution)")
     p.add_argument("--max-len", type=int, help="data.max_len: prompt + response tokens; longer rows are cut")
-    p.add_argument("--dtype", help="model.dtype: float32 (default) or bfloat16")
+    p.add_argument("--dtype", help="model.dtype: auto (default: bfloat16 where the device has bf16 units), float32, bfloat16")
     p.add_argument("--seed", type=int, help="seed (default 0)")
 
 
@@ -213,13 +219,16 @@ def run_sft(args: argparse.Namespace) -> int:
     from opsd.data import load_examples
     from opsd.eval import flag_overrides
     from opsd.models import load_model, load_tokenizer
+    from opsd.precision import resolve
 
     cfg = load_config(args.config, [*flag_overrides(args, SFT_FLAGS), *args.overrides], schema=SFTConfig)
     d, o = cfg.data, cfg.optim
     rep = load_examples(d.path, problem_key=d.problem_key, solution_key=d.solution_key, split=d.split)
     tok = load_tokenizer(cfg.model.path)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(cfg.model.path, dtype=cfg.model.dtype, device=device)
+    prec = resolve(cfg.model.dtype, torch.device(device), full_finetune=True, pure_bf16=cfg.model.pure_bf16)
+    print(f"precision: {prec.describe()}", file=sys.stderr)
+    model = load_model(cfg.model.path, dtype=prec.storage, device=device)
     pairs = sft_pairs_from_examples(
         tok, rep.examples, instruction=d.instruction, enable_thinking=d.student_thinking, max_len=d.max_len
     )
@@ -237,6 +246,7 @@ def run_sft(args: argparse.Namespace) -> int:
         min_lr_ratio=o.min_lr_ratio,
         grad_clip=o.grad_clip,
         weight_decay=o.weight_decay,
+        autocast_dtype=prec.compute if prec.mixed else None,
     )
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

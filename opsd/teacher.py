@@ -7,7 +7,8 @@ forward pass and hands back only its **final hidden states at the response posit
 
 Modes: ``fixed`` (initial policy: LoRA adapter disabled, or a frozen copy), ``ema`` (moving
 average of the student), ``live`` (current policy, no grad), ``external`` (another model with
-the same tokenizer). None of them ever receives a gradient.
+the same tokenizer). None of them ever receives a gradient. The EMA weights are kept in float32
+(or wider); a frozen copy is kept in the compute dtype (``copy_dtype``).
 
 Under torchrun the student is FSDP-sharded, and so is a separate teacher network (the frozen
 copy or the external model); forwards go through :func:`opsd.distributed.forward_hidden` so that
@@ -46,6 +47,7 @@ class Teacher:
         ema_decay: float = 0.999,
         external: nn.Module | None = None,
         frozen_copy: str = "device",
+        copy_dtype: torch.dtype | None = None,
         shard: Callable[..., nn.Module] | None = None,
     ) -> None:
         self.mode, self.student, self.lora, self.decay = mode, student, lora, ema_decay
@@ -59,6 +61,8 @@ class Teacher:
             check_plain_head(self.model)
         elif mode == "fixed" and not lora:
             self.model = copy.deepcopy(base_model(student)).requires_grad_(False).eval()
+            if copy_dtype is not None:  # never updated: it needs no float32 master copy
+                self.model.to(copy_dtype)
             self.offload = frozen_copy == "cpu"
             if self.offload and shard is None:
                 self.model.to("cpu")
@@ -69,8 +73,8 @@ class Teacher:
                 shard(self.model, cpu_offload=self.offload and self.model.device.type == "cuda")
                 self.offload = False
             shard(student)
-        if mode == "ema":
-            self.ema = [p.detach().clone() for p in self._trainable()]
+        if mode == "ema":  # float32 (or wider): at decay 0.999 a bf16 average would round most updates away
+            self.ema = [p.detach().to(_wide(p.dtype)).clone() for p in self._trainable()]
 
     @staticmethod
     def load_external(path: str, student_path: str, student_vocab: dict, **load_kwargs) -> nn.Module:
@@ -136,7 +140,7 @@ class Teacher:
         """After an optimizer step: move the EMA toward the student (other modes need nothing)."""
         if self.mode == "ema":
             for e, p in zip(self.ema, self._trainable()):
-                e.lerp_(p.detach(), 1 - self.decay)
+                e.lerp_(p.detach().to(e.dtype), 1 - self.decay)
 
     def tensors(self) -> dict[str, Tensor]:
         """The state a checkpoint must hold (the EMA weights, sharded like the student), by name."""
@@ -148,4 +152,8 @@ def _put(params: list[nn.Parameter], values: list[Tensor], *, in_place: bool) ->
         if in_place:
             p.detach().copy_(v)
         else:
-            p.data = v
+            p.data = v if v.dtype == p.dtype else v.to(p.dtype)
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype

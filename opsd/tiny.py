@@ -90,6 +90,29 @@ def build_tiny_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config)
+    portable_init(model, std=config.initializer_range, seed=seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval()
+
+
+@torch.no_grad()
+def portable_init(model: torch.nn.Module, *, std: float, seed: int) -> None:
+    """Re-draw every matrix (linear and embedding weights) uniformly with standard deviation ``std``,
+    from integers alone, so the same seed gives bit-identical weights on every CPU.
+
+    ``torch.normal`` goes through vectorized ``log``/``cos`` kernels whose float32 results differ
+    by an ulp between AVX512, AVX2 and scalar code: the same seed gave other weights on other
+    machines, and every number computed from them moved (2e-8 in the embeddings, 1e-7 in the loss).
+    Integers from the Mersenne Twister are the same everywhere, and ``(k - 2^23 + 1/2) * 2^-23 * a``
+    is exact in float64 before one correctly rounded cast. Norm weights (ones) and biases (zeros)
+    keep their exact initial values.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    half_width = std * 3**0.5  # a uniform on [-a, a] has standard deviation a / sqrt(3)
+    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if p.dim() < 2:
+            continue
+        k = torch.randint(0, 2**24, tuple(p.shape), generator=gen, dtype=torch.int64)
+        u = (k.to(torch.float64) - 2**23 + 0.5) * 2.0**-23  # exact: 24-bit integers fit a float64
+        p.copy_((u * half_width).to(p.dtype))

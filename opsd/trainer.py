@@ -10,6 +10,7 @@ import json
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from opsd import checkpoint, distributed, metrics, models
+from opsd import checkpoint, distributed, metrics, models, precision
 from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.distributed import all_reduce_sum, forward_hidden, full_head_weight, pad_microbatches
@@ -49,12 +50,13 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same on every rank: LoRA's initial weights must agree before sharding
         # Run directory, data, tokenizer and model: a failure on any rank ends every rank with its message.
         distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
-        par = cfg.parallel  # under torchrun: FSDP2 over the mesh, in the mixed precision asked for ("auto" -> None: as stored)
-        shard = None if self.dist.mesh is None else partial(distributed.shard_model, mesh=self.dist.mesh,
-                                                            param_dtype=models.DTYPES.get(par.param_dtype), reduce_dtype=models.DTYPES[par.reduce_dtype])
+        shard = None if self.dist.mesh is None else partial(
+            distributed.shard_model, mesh=self.dist.mesh, param_dtype=self._fsdp_param_dtype(),
+            reduce_dtype=models.DTYPES[cfg.parallel.reduce_dtype])
         self.reward = make_reward(cfg.grpo.grader) if cfg.objective == "grpo" else None
-        self.teacher = Teacher("live" if self.reward else cfg.teacher.mode, self.model, lora=cfg.model.lora.enabled, ema_decay=cfg.teacher.ema_decay,
-                               external=self._external, frozen_copy=cfg.teacher.frozen_copy, shard=shard)
+        self.teacher = Teacher("live" if self.reward else cfg.teacher.mode, self.model, lora=cfg.model.lora.enabled,
+                               ema_decay=cfg.teacher.ema_decay, external=self._external,
+                               frozen_copy=cfg.teacher.frozen_copy, copy_dtype=self.precision.compute, shard=shard)
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
         self.spec, self.check_lp = cfg.loss.to_spec(cfg.rollout.temperature), cfg.rollout.checks_logprobs()
@@ -63,10 +65,12 @@ class Trainer:
         self.optimizer, self.scheduler = make_optimizer(
             self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, warmup=o.warmup_steps,
             total=o.max_steps, schedule=o.scheduler, min_ratio=o.min_lr_ratio)
-        self.engine = distributed.run_setup(lambda: make_engine(cfg.rollout, self.model, self.tokenizer, seed=cfg.seed,
-                                                    max_prompt_len=cfg.data.max_prompt_len), "rollout engine start")
+        amp = self.precision.compute if self.precision.mixed and self.dist.mesh is None else None
+        self.engine = distributed.run_setup(lambda: make_engine(
+            cfg.rollout, self.model, self.tokenizer, seed=cfg.seed, max_prompt_len=cfg.data.max_prompt_len,
+            compute_dtype=self.precision.compute, autocast_dtype=amp), "rollout engine start")
         self.mb_tokens, why = models.microbatch_budget(o.max_tokens_per_microbatch, models.base_model(self.model).config,
-                                                       models.DTYPES[self.dtype], self.device, cfg.model.gradient_checkpointing)
+                                                       self.precision.compute, self.device, cfg.model.gradient_checkpointing)
         self.rank or print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
         self.step_num, self.bad_steps, self.stop = 0, 0, GracefulStop()
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
@@ -103,10 +107,11 @@ class Trainer:
         self.tokenizer = models.load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
         self.prompts = PromptBuilder.from_config(self.tokenizer, d, privileged=cfg.teacher.privileged)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.dtype, why = models.pick_dtype(m.dtype, self.device)
-        if m.dtype == "auto" and self.rank == 0:
-            print(f"model.dtype=auto: {self.dtype} ({why})", file=sys.stderr)
-        self.model = models.load_model(m.path, dtype=self.dtype, attn_implementation=m.attn_implementation,
+        # model.dtype is the compute dtype; full fine-tuning in bf16 stores float32 master weights.
+        self.precision = precision.resolve(m.dtype, self.device, full_finetune=not m.lora.enabled, pure_bf16=m.pure_bf16)
+        if self.rank == 0:
+            print(f"precision: {self.precision.describe()}", file=sys.stderr)
+        self.model = models.load_model(m.path, dtype=self.precision.storage, attn_implementation=m.attn_implementation,
                                 device=str(self.device), trust_remote_code=m.trust_remote_code)
         if m.gradient_checkpointing:
             models.enable_gradient_checkpointing(self.model)
@@ -117,7 +122,7 @@ class Trainer:
         self.model.train()
         models.check_plain_head(self.model)
         self._external = Teacher.load_external(
-            cfg.teacher.path, m.path, self.tokenizer.get_vocab(), dtype=self.dtype,
+            cfg.teacher.path, m.path, self.tokenizer.get_vocab(), dtype=self.precision.compute,
             attn_implementation=m.attn_implementation, device=str(self.device),
         ) if cfg.teacher.mode == "external" and not grpo else None
 
@@ -161,9 +166,9 @@ class Trainer:
         # 4-7. Per micro-batch: the teacher scores the response, the student reads it, fused loss, backward.
         loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()
         for mb in batches:
-            with timer("teacher"):  # GRPO has no teacher
+            with timer("teacher"), self.autocast():  # GRPO has no teacher
                 t_hidden, t_head = self.teacher.score(mb.teacher_ids, mb.teacher_mask, mb.teacher_pos) if adv is None else (None, None)
-            with timer("student"):
+            with timer("student"), self.autocast():
                 s_hidden = forward_hidden(self.model, mb.student_ids, mb.student_mask, mb.student_pos)
             with timer("loss"):
                 loss, st = self.loss(s_hidden, t_hidden, t_head, mb, adv)
@@ -178,6 +183,18 @@ class Trainer:
         self.step_num += 1
         self._last = (completions, ex_idx)
         return self._record(loss_sum, stats, grad_norm, finite, completions, batches, timer, t_start)
+
+    def autocast(self):
+        """bf16 compute over float32 master weights in one process (FSDP2 casts the gathered weights
+        itself); around the model forwards only, never the loss."""
+        return precision.autocast(self.precision, self.device) if self.dist.mesh is None else nullcontext()
+
+    def _fsdp_param_dtype(self) -> torch.dtype | None:
+        """FSDP2's compute dtype: parallel.param_dtype, or (auto) model.dtype's when it differs from storage."""
+        par = self.cfg.parallel.param_dtype
+        if par != "auto":
+            return models.DTYPES[par]
+        return self.precision.compute if self.precision.mixed else None
 
     def loss(self, s_hidden: Tensor, t_hidden: Tensor | None, t_head: Tensor | None, mb, adv: list[float] | None):
         """The distillation loss against the teacher; with GRPO, the policy gradient ``-A log S(y)``."""
@@ -329,8 +346,8 @@ class Trainer:
 
     def save(self) -> Path:
         """Every rank calls it: the checkpoint is written together (see :mod:`opsd.checkpoint`)."""
-        shared = {"step": self.step_num, "bad_steps": self.bad_steps, "scheduler": self.scheduler.state_dict(),
-                  "cursor": self.cursor.state_dict()}
+        shared = {"format": checkpoint.FORMAT, "step": self.step_num, "bad_steps": self.bad_steps,
+                  "scheduler": self.scheduler.state_dict(), "cursor": self.cursor.state_dict()}
         return checkpoint.save_checkpoint(
             self.run_dir, self.step_num, self.model, self.tokenizer, shared, optimizer=self.optimizer,
             rank_state={"truncated": self.prompts.state_dict()}, tensors=self.teacher.tensors(),
@@ -339,6 +356,7 @@ class Trainer:
     def _resume(self) -> None:
         """Continue exactly, at the checkpoint's number of ranks or another (everything reshards)."""
         ckpt = checkpoint.latest_checkpoint(self.run_dir)
+        checkpoint.check_format(ckpt)
         state, mine = checkpoint.load_checkpoint(ckpt, self.model, self.optimizer, tensors=self.teacher.tensors(),
                                                  seed=distributed.rank_seed(self.cfg.seed, self.rank))
         self.scheduler.load_state_dict(state["scheduler"])
@@ -348,3 +366,10 @@ class Trainer:
         self.engine.sync_weights(self.model)
         if self.rank == 0:
             print(f"resumed from {ckpt} at step {self.step_num}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Shut the rollout engine down while the process group still exists (vLLM's teardown uses it);
+        call before :func:`opsd.distributed.shutdown`. Safe to call twice."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.close()

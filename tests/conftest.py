@@ -42,6 +42,22 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _cpu_bf16_probe_off(monkeypatch):
+    """`model.dtype=auto` resolves to float32 on every CPU unless a test asks otherwise: the CPU probe
+    differs between machines (AMX, AVX512-BF16, neither), and a test's numbers must not. Tests pin
+    their dtype as well; this is the safety net, and spawned processes inherit it."""
+    monkeypatch.setenv("OPSD_CPU_BF16", "0")
+
+
+@pytest.fixture(params=["0", "1"], ids=["cpu_bf16_off", "cpu_bf16_on"])
+def cpu_bf16(request, monkeypatch) -> bool:
+    """Run a dtype-sensitive test under both answers of the CPU probe, on every machine: a CPU with
+    bf16 units and one without each take both paths (emulated bf16 is slow: keep such tests small)."""
+    monkeypatch.setenv("OPSD_CPU_BF16", request.param)
+    return request.param == "1"
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_torchrun_env(monkeypatch):
     """A test that builds an in-process vLLM engine (fake or real) may leave torchrun's variables
     set; `opsd train` would then see a half-set torchrun environment."""

@@ -42,7 +42,7 @@ def make_cfg(assets: dict, run_dir: Path, **over) -> Config:
         "model.lora.r=4", "model.lora.alpha=8", "rollout.prompts_per_step=2", "rollout.n=2",
         "rollout.max_new_tokens=6", "rollout.temperature=1.0", "optim.lr=0.01", "optim.max_steps=2",
         "checkpoint.every=1", "logging.progress=false", "logging.sample_every=1", "data.max_prompt_len=256",
-        "loss.clip_mode=none",
+        "loss.clip_mode=none", "model.dtype=float32",
     ]
     return load_config(None, base + [f"{k}={v}" for k, v in over.items()])
 

@@ -218,8 +218,11 @@ def _run_opsd(
         s, p.base, p.data_dir / "train.jsonl", run_dir, control=control, progress=progress
     )
     trainer = Trainer(load_config(None, overrides), overwrite=True)
-    (run_dir / "demo.json").write_text(json.dumps({"settings": asdict(s), "control": control}, indent=2))
-    points = train_with_evals(trainer, load_tokenizer(str(p.base)), p, s, run_dir, progress)
+    try:
+        (run_dir / "demo.json").write_text(json.dumps({"settings": asdict(s), "control": control}, indent=2))
+        points = train_with_evals(trainer, load_tokenizer(str(p.base)), p, s, run_dir, progress)
+    finally:
+        trainer.close()
     curve = [(e.step, e.accuracy) for e in points]
     before, after, teacher = p.student_before, curve[-1][1], p.teacher_with_solution
     result = {

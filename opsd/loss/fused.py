@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opsd.loss.reference import compute_dtype
+from opsd.loss.reference import autocast_off, compute_dtype
 from opsd.loss.spec import DistillSpec, LossStats
 
 
@@ -287,6 +287,7 @@ def _logits_bf16(h: Tensor, w: Tensor) -> Tensor:
     return hi.float().add_(lo)
 
 
+@autocast_off
 def fused_linear_distill(
     student_hidden: Tensor,
     student_weight: Tensor,

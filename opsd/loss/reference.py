@@ -6,12 +6,30 @@ training does not use it.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from opsd.loss.spec import DistillSpec
+
+
+F = TypeVar("F", bound=Callable)
+
+
+def autocast_off(fn: F) -> F:
+    """Run a kernel with autocast disabled on its first argument's device: under a bf16 autocast
+    (one process's mixed precision) its products must stay in the dtype the kernel chooses."""
+
+    @functools.wraps(fn)
+    def wrapper(first: Tensor, *args, **kwargs):
+        with torch.autocast(first.device.type, enabled=False):
+            return fn(first, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:
