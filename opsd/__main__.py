@@ -1,7 +1,5 @@
 """``python -m opsd ...`` is the ``opsd`` command; torchrun launches it as ``torchrun ... -m opsd train ...``."""
 
-import sys
+from opsd.cli import entry
 
-from opsd.cli import main
-
-sys.exit(main())
+entry()

@@ -116,5 +116,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The `opsd` console script and `python -m opsd`: a torchrun rank ends through
+    :func:`opsd.distributed.exit_rank` (no interpreter finalization, where a gloo worker thread can
+    abort a finished run); one process exits normally."""
+    code = main()
+    from opsd.distributed import exit_rank, launched_by_torchrun
+
+    if launched_by_torchrun():
+        exit_rank(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

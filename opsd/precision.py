@@ -56,13 +56,18 @@ def cpu_has_bf16_units() -> tuple[bool, str]:
             raise UserError(f"{CPU_BF16_ENV}={forced!r}: expected 0 (no bf16 units) or 1 (bf16 units)")
         on = forced.strip() == "1"
         return on, f"{CPU_BF16_ENV}={forced.strip()} overrides the CPU probe"
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        flags = ""
+    flags = _cpu_flags()
     if "amx_bf16" in flags or "avx512_bf16" in flags:
         return True, "CPU with AMX/AVX512-BF16 matrix units"
     return False, "CPU without bf16 matrix units (bf16 would be emulated, many times slower)"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def has_bf16_units(device: torch.device) -> tuple[bool, str]:

@@ -189,7 +189,66 @@ def test_torchrun_trains_then_a_rank0_run_dir_error_ends_every_rank(assets, tmp_
     assert "rank 0 failed during setup" in res.stderr
 
 
+@pytest.mark.slow
+def test_three_torchrun_runs_in_a_row_exit_cleanly(assets, tmp_path):
+    """A finished two-rank run exits 0 with no traceback and no abort, three times in a row (1 in 20
+    aborted at exit before ranks ended through opsd.distributed.exit_rank; bench/torchrun_exits.py
+    runs it 20 times)."""
+    cfg = make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2, "device": "cpu", "logging.sample_every": 0,
+                                              "checkpoint.every": 1})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "opsd", "train", "--config", str(path), "--overwrite"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    for attempt in range(3):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0 and "run directory:" in out, (attempt, res.returncode, out[-3000:])
+        assert not any(m in out for m in ("Traceback", "terminate called", "SIGABRT")), (attempt, out[-3000:])
+
+
 def test_prompts_per_step_is_the_global_batch():
     assert RolloutConfig(prompts_per_step=8).prompts_per_rank(4) == 2
     with pytest.raises(UserError, match=r"prompts_per_step=6 is the global batch .* 4 ranks.*prompts_per_step=8"):
         RolloutConfig(prompts_per_step=6).prompts_per_rank(4)
+
+
+def _bf16_worker(d, paths: dict, root: str) -> None:
+    """Full fine-tuning in bf16 compute over float32 masters (FSDP2's param_dtype), and LoRA over a
+    bf16 base, on this rank; rank 0 writes what it saw."""
+    from test_precision import FULL_FT, ScriptedEngine
+    from torch.distributed.tensor import DTensor
+
+    import opsd.trainer
+    from opsd.distributed import gather_full_state_dict
+
+    opsd.trainer.make_engine = ScriptedEngine  # the same tokens on both ranks' runs, many embedding rows
+    full = Trainer(make_cfg(paths, Path(root) / "full", **{**FULL_FT, "model.dtype": "bfloat16"}), dist=d)
+    before = {k: v.clone() for k, v in gather_full_state_dict(full.model).items()}
+    local = {type(p).__name__: str(p.to_local().dtype if isinstance(p, DTensor) else p.dtype)
+             for p in full.model.parameters()}
+    full.train()
+    after = gather_full_state_dict(full.model)
+    lora = Trainer(make_cfg(paths, Path(root) / "lora", **{"model.dtype": "bfloat16", "optim.max_steps": 1,
+                                                            "rollout.max_new_tokens": 4}), dist=d)
+    lora.train()
+    adapters = {str(p.to_local().dtype) for k, p in lora.model.named_parameters() if "lora_" in k}
+    if d.rank == 0:
+        changed = sum(int((after[k] != before[k]).sum()) for k in before)
+        total = sum(v.numel() for v in before.values())
+        report = {"moved": changed / total, "local": local, "adapters": sorted(adapters),
+                  "param_dtype": str(full._fsdp_param_dtype())}
+        (Path(root) / "bf16.json").write_text(json.dumps(report))
+
+
+@pytest.mark.slow
+def test_two_ranks_bf16_full_finetuning_keeps_float32_masters(assets, tmp_path):
+    """Under torchrun, model.dtype=bfloat16 is FSDP2's compute dtype over float32 sharded masters:
+    10 steps at lr 5e-6 move at least 80% of the weights (as one process does), and LoRA adapters
+    stay float32 over a bf16 base."""
+    _spawn(_bf16_worker, assets, str(tmp_path))
+    report = json.loads((tmp_path / "bf16.json").read_text())
+    assert report["moved"] >= 0.8, report
+    assert set(report["local"].values()) == {"torch.float32"}, report
+    assert report["param_dtype"] == "torch.bfloat16" and report["adapters"] == ["torch.float32"], report

@@ -16,7 +16,6 @@ from torch import Tensor
 
 from opsd.loss.spec import DistillSpec
 
-
 F = TypeVar("F", bound=Callable)
 
 
