@@ -559,19 +559,34 @@ def test_vllm_tensor_parallel_group_runs_the_union_with_one_seed(tmp_path):
 # --- clean exits ------------------------------------------------------------------------------------
 
 _LATE_WORK = """
-import sys, time
+import gc, sys, time
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from opsd import distributed as D
 
+
+class SlowFinalizer:
+    # Garbage when the interpreter starts finalizing: its collection there sleeps with the GIL
+    # released, holding this rank in finalization while the late rank arrives.
+    def __del__(self):
+        time.sleep(6)
+
+
 dist.init_process_group("gloo")
 MESH = init_device_mesh("cpu", (2,))  # like FSDP's mesh in DTensor's caches: the group outlives destroy
 if dist.get_rank() == 1:
-    time.sleep(2)  # rank 0's gloo worker still holds the gather's Python tensors when rank 0 returns
+    time.sleep(3)  # rank 0's gloo worker still holds the gather's Python tensors when rank 0 returns
 out = [torch.zeros(4) for _ in range(2)]
 work = dist.all_gather(out, torch.ones(4), async_op=True)
+# What the worker does with a finished gather's Python tensors, take the GIL, made certain: a
+# completion callback runs on the gloo worker thread when the late rank arrives.
+DONE = work.get_future().then(lambda f: len(f.value()))
 del out, work
 D.shutdown()
+gc.set_threshold(0)  # no automatic collection: the cycle below is collected by finalization itself
+cycle = SlowFinalizer()
+cycle.self = cycle
+del cycle
 if sys.argv[1] == "exit_rank":
     D.exit_rank(0)
 """
@@ -589,8 +604,9 @@ def test_a_gloo_worker_freeing_python_tensors_at_finalization_aborts_and_exit_ra
     a gloo worker thread drops the last reference to a collective's Python tensors while the main
     thread finalizes the interpreter; taking the GIL then ends the thread inside a C++ destructor
     ("terminate called without an active exception"). In opsd the window is the instant between a
-    worker completing a collective and releasing it; here rank 1 arrives late so the window is
-    seconds wide. Ending the rank with exit_rank (no finalization) is clean."""
+    worker completing a collective and releasing it. Here it is certain: rank 0 is held in
+    finalization (a finalizer sleeps) when rank 1 arrives, and the worker then takes the GIL for a
+    completion callback. Ending the rank with exit_rank (no finalization) is clean."""
     script = tmp_path / "late_work.py"
     script.write_text(_LATE_WORK)
     plain = _torchrun(script, "return")

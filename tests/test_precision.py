@@ -18,7 +18,7 @@ from test_trainer import build_assets, make_cfg
 from opsd import Trainer, precision
 from opsd.cli import main
 from opsd.errors import UserError
-from opsd.rollout import Completion
+from opsd.rollout import Completion, HFEngine
 
 BF16, FP32 = torch.bfloat16, torch.float32
 CPU = torch.device("cpu")
@@ -85,12 +85,12 @@ def test_startup_line_says_when_the_override_is_in_effect(assets, tmp_path, cpu_
 # --- mixed precision in training ---------------------------------------------------------------
 
 
-class ScriptedEngine:
+class ScriptedEngine(HFEngine):
     """The same responses for the same prompts and seed, whatever the model's dtype: a bf16 run and a
     float32 run then differ only by arithmetic, not by which tokens their rollouts sampled."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        pass
+    def __init__(self, rollout, model, tokenizer, **kwargs) -> None:
+        super().__init__(model, tokenizer)
 
     def generate(self, prompts, n, params):
         out = []
@@ -100,18 +100,6 @@ class ScriptedEngine:
                 toks = [rng.randrange(0, 500) for _ in range(params.max_new_tokens)]  # most embedding rows
                 out.append(Completion(i, toks, [0.0] * len(toks), "length"))
         return out
-
-    def sync_weights(self, model) -> None:
-        pass
-
-    def sleep(self) -> None:
-        pass
-
-    def wake(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 FULL_FT = {"model.lora.enabled": "false", "optim.lr": 5e-6, "optim.max_steps": 10, "teacher.frozen_copy": "cpu",

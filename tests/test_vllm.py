@@ -218,3 +218,43 @@ def test_three_training_steps_with_vllm(assets, tmp_path):
     # rollout.logprob_check=auto is on for vLLM: the engine's log-probs against the trainer's, per step
     # (fp32 both sides; LoRA changes the weights between steps, and every step's sync carries them).
     assert all(0.0 <= r["logprob_gap"] < 1e-3 for r in recs), [r["logprob_gap"] for r in recs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_torchrun_with_vllm_exits_cleanly(assets, tmp_path, lora):
+    """Two ranks, each with its colocated vLLM engine: the trainer closes the engines before the
+    process group is destroyed (vLLM's teardown uses it), and the ranks end without finalization:
+    exit 0, no traceback (before: `ValueError: Invalid process group specified` from vLLM's
+    shutdown on both ranks)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    rows = [{"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}.", "answer": str(a + b)}
+            for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {
+        "device": "cpu",
+        "model": {"path": str(assets["root"] / "base"), "dtype": "float32", "lora": {"enabled": lora, "r": 4}},
+        "teacher": {"frozen_copy": "cpu"},
+        "data": {"path": str(data), "max_prompt_len": 64},
+        "rollout": {"engine": "vllm", "vllm_kwargs": VLLM_KWARGS, "prompts_per_step": 2, "n": 2,
+                    "max_new_tokens": 6},
+        "optim": {"lr": 0.01, "max_steps": 2},
+        "checkpoint": {"every": 0},
+        "logging": {"run_dir": str(tmp_path / "run"), "progress": False, "sample_every": 0},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "opsd", "train", "--config", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "run directory:" in out, out[-4000:]
+    assert "Traceback" not in out and "terminate called" not in out, out[-4000:]
