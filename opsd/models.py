@@ -408,17 +408,18 @@ def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) 
 
 
 def microbatch_budget(setting: int | str, config, dtype: torch.dtype, device: torch.device,
-                      checkpointing: bool) -> tuple[int, str]:
+                      checkpointing: bool, reserve: int = 0) -> tuple[int, str]:
     """``optim.max_tokens_per_microbatch: auto``: as many tokens as keep the student's saved activations
-    within a quarter of the accelerator's free memory, or within 1 GiB on a CPU (where generation, the
-    data and the OS share the RAM; it holds a SmolLM2-135M LoRA step near 2 GiB). Between 256 and
-    16,384 tokens. Returns the budget and the reason (a one-line notice)."""
+    within a quarter of the accelerator's free memory less ``reserve`` bytes (what the step will take
+    that is not allocated yet: AdamW's state), or within 1 GiB on a CPU (where generation, the data
+    and the OS share the RAM; it holds a SmolLM2-135M LoRA step near 2 GiB). Between 256 and 16,384
+    tokens. Measure it with any vLLM engine asleep. Returns the budget and the reason (a notice)."""
     if setting != "auto":
         return int(setting), "set in the config"
     per_token = activation_bytes_per_token(config, dtype, checkpointing)
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        room, where = free // 4, f"a quarter of the {free / 2**30:.1f} GiB free on {device}"
+    if device.type == "cuda":  # reserve: memory the step will take that is not allocated yet (AdamW state)
+        free = max(0, torch.cuda.mem_get_info(device)[0] - reserve)
+        room, where = free // 4, f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state"
     else:
         room, where = 1 << 30, "1 GiB on the CPU"
     tokens = max(256, min(16384, room // per_token))

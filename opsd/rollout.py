@@ -32,7 +32,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from opsd.distributed import is_sharded
+from opsd.distributed import gathered
 from opsd.errors import UserError
 from opsd.models import merged_weight_names, merged_weights
 
@@ -190,9 +190,8 @@ class _Recorder(StoppingCriteria):
 class HFEngine:
     """Batched transformers generation with left padding and KV cache, on the trainer's model object.
 
-    On an FSDP-sharded model every rank must call ``generate`` as often as the others (each forward
-    gathers weights from all ranks); ``synced_gpus`` keeps a rank whose batch finished early running
-    forwards until every rank's batch has finished.
+    On an FSDP-sharded model every rank calls ``generate`` together: the weights are gathered once
+    for the whole call (:func:`opsd.distributed.gathered`), after which each rank decodes on its own.
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 32, autocast_dtype: torch.dtype | None = None) -> None:
@@ -237,7 +236,8 @@ class HFEngine:
         results: list[Completion | None] = [None] * len(items)
         try:
             amp = torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), amp:
+            rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+            with rng, amp, gathered(self.model):
                 torch.manual_seed(seed)
                 for start in range(0, len(order), self.batch_size):
                     chunk = order[start : start + self.batch_size]
@@ -278,7 +278,7 @@ class HFEngine:
             generation_config=gen_config,
             logits_processor=LogitsProcessorList([warp]),
             stopping_criteria=StoppingCriteriaList([rec]),
-            synced_gpus=is_sharded(self.model),
+            synced_gpus=False,  # gathered(): no collective inside generate, ranks need not keep step
         )
         gen = seqs[:, width:].cpu()
         logprobs = torch.stack(rec.logprobs, dim=1).cpu() if rec.logprobs else torch.zeros(len(batch), 0)
@@ -520,16 +520,26 @@ class VLLMEngine:
             self._reload_on_wake = self.sleep_level == 2  # level 2 discarded the weights
 
     def wake(self) -> None:
+        """vLLM maps its memory outside PyTorch's caching allocator, so what the training step left
+        reserved in that cache must go back to the driver first, or the wake-up can run out of memory
+        (TRL's vllm_generation.py empties the cache before wake_up; verl's rollout_mode empties it on
+        entry and again before resuming the KV cache)."""
         if not self.asleep:
             return
+        self._empty_cache()
         if self._reload_on_wake:
             # Weights first, KV cache after: the load's temporaries are gone before the cache returns.
             self.llm.wake_up(tags=["weights"])
             self._load(self.model)
+            self._empty_cache()
             self.llm.wake_up(tags=["kv_cache"])
         else:
             self.llm.wake_up()
         self.asleep, self._reload_on_wake = False, False
+
+    def _empty_cache(self) -> None:
+        if self._cuda is not None:
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Shuts the engine down and frees its memory (and the process group it created, if any)."""

@@ -66,6 +66,7 @@ class Teacher:
             self.offload = frozen_copy == "cpu"
             if self.offload and shard is None:
                 self.model.to("cpu")
+                self._host = _pinned_host_copies(self.model)
         elif mode not in ("fixed", "live", "ema"):
             raise ValueError(f"unknown teacher mode {mode!r}: expected fixed, ema, live or external")
         if shard is not None:
@@ -93,13 +94,15 @@ class Teacher:
     def _as_teacher(self, device: torch.device):
         """Make ``self.student`` (or the separate model) compute the teacher's function."""
         if self.model is not None:
-            if self.offload:
-                self.model.to(device)
+            if self.offload:  # one host-to-device copy per micro-batch, from pinned memory; none back
+                for t, host in self._host:
+                    t.data = host.to(device, non_blocking=True)
             try:
                 yield self.model
             finally:
-                if self.offload:
-                    self.model.to("cpu")
+                if self.offload:  # frozen: the host copy is still exact, the device copy is just dropped
+                    for t, host in self._host:
+                        t.data = host
         elif self.mode == "fixed":  # LoRA: the base model is the initial policy
             with self.student.disable_adapter():
                 yield self.student
@@ -153,6 +156,18 @@ def _put(params: list[nn.Parameter], values: list[Tensor], *, in_place: bool) ->
             p.detach().copy_(v)
         else:
             p.data = v if v.dtype == p.dtype else v.to(p.dtype)
+
+
+def _pinned_host_copies(model: nn.Module) -> list[tuple[Tensor, Tensor]]:
+    """Each parameter and buffer with its CPU storage, page-locked where CUDA exists: a copy to the
+    GPU from pageable memory is staged through a bounce buffer and cannot run asynchronously."""
+    pin = torch.cuda.is_available()
+    out = []
+    for t in [*model.parameters(), *model.buffers()]:
+        host = t.data.pin_memory() if pin else t.data
+        t.data = host
+        out.append((t, host))
+    return out
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

@@ -44,7 +44,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, *, resume: bool = False, overwrite: bool = False, dist: distributed.Dist | None = None) -> None:
-        self.cfg, self.dist = cfg, dist or distributed.Dist(device=models.resolve_device(cfg.device))
+        self.cfg, self.dist = cfg, dist or distributed.Dist(device=distributed.use_device(models.resolve_device(cfg.device)))
         self.rank, self.world, self.device = self.dist.rank, self.dist.world_size, self.dist.device
         self.run_dir = Path(cfg.logging.run_dir)
         torch.manual_seed(cfg.seed)  # the same on every rank: LoRA's initial weights must agree before sharding
@@ -69,8 +69,11 @@ class Trainer:
         self.engine = distributed.run_setup(lambda: make_engine(
             cfg.rollout, self.model, self.tokenizer, seed=cfg.seed, max_prompt_len=cfg.data.max_prompt_len,
             compute_dtype=self.precision.compute, autocast_dtype=amp), "rollout engine start")
+        self.engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it) ...
+        adam_bytes = 2 * sum(p.numel() * 4 for p in self.params)  # ... and with room for AdamW's two fp32 moments
         self.mb_tokens, why = models.microbatch_budget(o.max_tokens_per_microbatch, models.base_model(self.model).config,
-                                                       self.precision.compute, self.device, cfg.model.gradient_checkpointing)
+                                                       self.precision.compute, self.device, cfg.model.gradient_checkpointing,
+                                                       reserve=adam_bytes)
         self.rank or print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
         self.step_num, self.bad_steps, self.stop = 0, 0, GracefulStop()
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
@@ -334,12 +337,14 @@ class Trainer:
         from opsd.eval import evaluate_sharded
 
         e = self.cfg.eval
-        return evaluate_sharded(
+        res = evaluate_sharded(
             self.model, self.tokenizer, self.eval_examples, rank=self.rank, world=self.world, k=e.k,
             temperature=e.temperature, max_new_tokens=e.max_new_tokens, instruction=self.cfg.data.instruction,
             enable_thinking=self.cfg.data.student_thinking, seed=distributed.rank_seed(self.cfg.seed, self.rank),
             engine=self.engine,
-        ).metrics(prefix="eval/")
+        )
+        self.engine.sleep()  # generate() woke it: the checkpoint save and the next step run without vLLM resident
+        return res.metrics(prefix="eval/")
 
     # ------------------------------------------------------------------------------------------
     # Setup, checkpoints

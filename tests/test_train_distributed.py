@@ -252,3 +252,50 @@ def test_two_ranks_bf16_full_finetuning_keeps_float32_masters(assets, tmp_path):
     assert report["moved"] >= 0.8, report
     assert set(report["local"].values()) == {"torch.float32"}, report
     assert report["param_dtype"] == "torch.bfloat16" and report["adapters"] == ["torch.float32"], report
+
+
+def _generation_worker(d, root: str) -> None:
+    """Rank r generates for its own prompts through the sharded model; counts FSDP's all-gathers."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
+
+    from opsd.distributed import shard_model
+    from opsd.rollout import HFEngine, SamplingParams
+    from opsd.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    model = shard_model(build_tiny_model(tok, hidden_size=32, seed=0), d.mesh, param_dtype=None)
+    prompts = [tok(f"What is {d.rank} + {i}?").input_ids for i in range(2 + d.rank)]  # uneven on purpose
+    gathers = []
+    real = group_mod.foreach_all_gather  # FSDP2's one all-gather of a unit's parameters
+
+    def counting(*args, **kwargs):
+        gathers.append(1)
+        return real(*args, **kwargs)
+
+    group_mod.foreach_all_gather = counting
+    try:
+        out = HFEngine(model, tok).generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
+    finally:
+        group_mod.foreach_all_gather = real
+    layers = len(model.model.layers)
+    record = {"tokens": [c.token_ids for c in out], "logprobs": [c.logprobs for c in out], "gathers": len(gathers),
+              "units": layers + 1, "prompts": prompts}
+    (Path(root) / f"gen{d.rank}.json").write_text(json.dumps(record))
+
+
+def test_sharded_generation_gathers_once_and_equals_unsharded(tmp_path, tiny_tokenizer):
+    """The HF engine on an FSDP-sharded model all-gathers each unit once per generate call (not once
+    per decoded token), ranks with different numbers of prompts finish on their own, and the tokens and
+    log-probs are those of the unsharded model: the gathered weights are the same float32 values."""
+    from opsd.rollout import HFEngine, SamplingParams
+    from opsd.tiny import build_tiny_model
+
+    _spawn(_generation_worker, str(tmp_path))
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, seed=0)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"gen{rank}.json").read_text())
+        assert got["gathers"] == got["units"], got["gathers"]  # 8 new tokens: 8x as many before
+        want = HFEngine(model, tiny_tokenizer).generate(
+            got["prompts"], 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
+        assert got["tokens"] == [c.token_ids for c in want]
+        assert got["logprobs"] == [c.logprobs for c in want]

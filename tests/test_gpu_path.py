@@ -1,0 +1,80 @@
+"""Defects of the GPU path found by reading (no GPU here), each checked on the CPU by faking the one
+CUDA call it is about. docs/gpu.md lists what is executed, what is read, and what waits for a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_rollout import _vllm_engine, fake_vllm  # noqa: F401  (fake_vllm is a fixture)
+from test_trainer import build_assets, make_cfg
+
+from opsd import Trainer, distributed, models
+from opsd.teacher import Teacher
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    return build_assets(tmp_path_factory.mktemp("gpu_path"))
+
+
+def test_vllm_wake_empties_torch_cache_before_each_wake_up(fake_vllm, tiny_model, tiny_tokenizer, monkeypatch):  # noqa: F811
+    """vLLM allocates outside PyTorch's caching allocator: what the step reserved must be returned to
+    the driver before vLLM asks for its weights, and again before its KV cache."""
+    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    engine._cuda = torch.device("cuda", 0)  # as on a GPU
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: fake_vllm.log.append(("empty_cache",)))
+    engine.sleep()
+    fake_vllm.log.clear()
+    engine.wake()
+    assert [e[0] if e[0] != "wake_up" else e for e in fake_vllm.log] == [
+        "empty_cache", ("wake_up", ["weights"]), "rpc", "reset_prefix_cache", "empty_cache", ("wake_up", ["kv_cache"]),
+    ]
+
+
+def test_evaluation_puts_the_engine_back_to_sleep(assets, tmp_path):
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"eval.path": assets["data"], "eval.limit": 2,
+                                                      "eval.max_new_tokens": 3}))
+    calls = []
+    generate, sleep = tr.engine.generate, tr.engine.sleep
+    tr.engine.generate = lambda *a: calls.append("generate") or generate(*a)
+    tr.engine.sleep = lambda: calls.append("sleep") or sleep()
+    tr.evaluate()
+    assert calls and calls[-1] == "sleep" and "generate" in calls
+
+
+def test_one_process_on_cuda_n_makes_it_the_current_device(monkeypatch):
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append(d))
+    assert distributed.init_distributed("cuda:1").device == torch.device("cuda", 1)
+    assert seen == [torch.device("cuda", 1)]
+    distributed.init_distributed("cuda")  # no index: the current device stays what it is
+    assert seen == [torch.device("cuda", 1)]
+
+
+def test_microbatch_budget_leaves_room_for_adamw_state(tiny_model, monkeypatch):
+    """Measured before AdamW's moments exist, the free memory overstated what activations may use."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 80 << 30))
+    cuda = torch.device("cuda", 0)
+    full, _ = models.microbatch_budget("auto", tiny_model.config, torch.bfloat16, cuda, False)
+    less, why = models.microbatch_budget("auto", tiny_model.config, torch.bfloat16, cuda, False, reserve=6 << 30)
+    per_token = models.activation_bytes_per_token(tiny_model.config, torch.bfloat16, False)
+    assert less == max(256, min(16384, (2 << 30) // 4 // per_token)) and less <= full
+    assert "after AdamW's state" in why
+
+
+def test_cpu_offloaded_frozen_copy_is_copied_one_way(tiny_model, monkeypatch):
+    """The frozen copy lives in host memory (page-locked where CUDA exists) and is copied to the device
+    per micro-batch; it is never copied back (it does not change) and never moved with .to()."""
+    teacher = Teacher("fixed", tiny_model, lora=False, frozen_copy="cpu")
+    host = {id(t): t.data_ptr() for t, _ in teacher._host}
+    ids = torch.tensor([[5, 6, 7, 8]])
+    want = models.final_hidden(teacher.model, ids, torch.ones_like(ids), torch.arange(4))
+
+    def no_move(*args, **kwargs):
+        raise AssertionError("the frozen copy was moved with Module.to")
+
+    monkeypatch.setattr(torch.nn.Module, "to", no_move)
+    hidden, _ = teacher.score(ids, torch.ones_like(ids), torch.arange(4))
+    assert torch.equal(hidden, want)
+    assert {id(t): t.data_ptr() for t, _ in teacher._host} == host  # back on the same host storage
