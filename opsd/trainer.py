@@ -167,18 +167,7 @@ class Trainer:
             reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs, device=self.device), self.pad_id, self.device)
 
         # 4-7. Per micro-batch: the teacher scores the response, the student reads it, fused loss, backward.
-        loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()
-        for mb in batches:
-            with timer("teacher"), self.autocast():  # GRPO has no teacher
-                t_hidden, t_head = self.teacher.score(mb.teacher_ids, mb.teacher_mask, mb.teacher_pos) if adv is None else (None, None)
-            with timer("student"), self.autocast():
-                s_hidden = forward_hidden(self.model, mb.student_ids, mb.student_mask, mb.student_pos)
-            with timer("loss"):
-                loss, st = self.loss(s_hidden, t_hidden, t_head, mb, adv)
-            with timer("student"):
-                loss.backward()
-            loss_sum += loss.detach().double().cpu()
-            stats.add(st if mb.sample_indices else LossStats())  # a zero-weight padding micro-batch adds nothing
+        loss_sum, stats = self.forward_backward(batches, adv, timer=timer)
 
         # 8. Clip, AdamW, schedule, teacher update, weight sync (all skipped if anything is non-finite).
         with timer("optim"):
@@ -186,6 +175,31 @@ class Trainer:
         self.step_num += 1
         self._last = (completions, ex_idx)
         return self._record(loss_sum, stats, grad_norm, finite, completions, batches, timer, t_start)
+
+    def forward_backward(self, batches: list, adv: list[float] | None = None, *, timer=None,
+                         backward: bool = True) -> tuple[Tensor, LossStats]:
+        """The micro-batch loop: teacher hidden states (no grad) -> student hidden states -> fused loss
+        -> backward, per micro-batch; returns the summed loss (float64, this rank's) and the loss
+        statistics. ``backward=False`` computes the same numbers without gradients (held-out
+        divergence); ``adv``: GRPO's advantages, per sample. The one copy of this loop: the step,
+        the distributed tests and the benchmarks call it."""
+        timer = timer or metrics.StepTimer(sync=False)
+        loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()
+        with torch.enable_grad() if backward else torch.no_grad():
+            for mb in batches:
+                with timer("teacher"), self.autocast():  # GRPO has no teacher
+                    t_hidden, t_head = (None, None) if adv is not None else self.teacher.score(
+                        mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
+                with timer("student"), self.autocast():
+                    s_hidden = forward_hidden(self.model, mb.student_ids, mb.student_mask, mb.student_pos)
+                with timer("loss"):
+                    loss, st = self.loss(s_hidden, t_hidden, t_head, mb, adv)
+                if backward:
+                    with timer("student"):
+                        loss.backward()
+                loss_sum += loss.detach().double().cpu()
+                stats.add(st if mb.sample_indices else LossStats())  # a zero-weight padding micro-batch adds nothing
+        return loss_sum, stats
 
     def autocast(self):
         """bf16 compute over float32 master weights in one process (FSDP2 casts the gathered weights

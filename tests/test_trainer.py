@@ -382,3 +382,23 @@ def test_cli_closes_the_engine_before_the_process_group(assets, tmp_path, monkey
     with pytest.raises(RuntimeError, match="boom"):
         main([*args[:1], "--config", str(cfg), *args[1:]])
     assert calls == ["train", "close", "shutdown"]
+
+
+def test_forward_backward_is_the_step_loop_and_can_run_without_gradients(assets, tmp_path):
+    """The step's micro-batch loop is Trainer.forward_backward; with backward=False it computes the same
+    loss and statistics (the same operations on the same weights: equal to the bit) and leaves no gradient."""
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 1}))
+    seen = {}
+    real = tr.forward_backward
+
+    def spy(batches, adv=None, **kw):
+        seen["eval"] = real(batches, adv, backward=False)
+        seen["grads"] = [p.grad for p in tr.params]
+        seen["train"] = real(batches, adv, **kw)
+        return seen["train"]
+
+    tr.forward_backward = spy
+    tr.train()
+    assert all(g is None for g in seen["grads"])
+    (loss_eval, st_eval), (loss_train, st_train) = seen["eval"], seen["train"]
+    assert float(loss_eval) == float(loss_train) and st_eval.means() == st_train.means()
