@@ -355,6 +355,11 @@ def shard_model(
         register_fsdp_forward_method,
     )
 
+    if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        raise UserError(
+            f"torch {torch.__version__} lacks FSDPModule.set_force_sum_reduction_for_comms, which opsd's "
+            "torchrun path needs (plain SUM gradient reductions); install a newer torch (2.13 is tested)"
+        )
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):

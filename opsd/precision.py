@@ -132,3 +132,16 @@ def autocast(precision: Precision, device: torch.device) -> AbstractContextManag
 def no_autocast(device: torch.device) -> AbstractContextManager:
     """Around the loss kernels: their products must stay in the dtype they choose (float32)."""
     return torch.autocast(device.type, enabled=False)
+
+
+def loss_matmul_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
+    """The fused loss's matrix products: bf16 inputs accumulated into float32 logits (two bf16
+    products each, ~2^-17 relative: :func:`opsd.loss.fused._logits_bf16`) if and only if the model
+    computes in bf16 and the device multiplies bf16 natively; float32 products otherwise. On a GPU
+    without TF32 three float32 products at Qwen3's vocabulary cost about as much as the whole bf16
+    model compute of a step. Everything after the logits stays float32."""
+    if precision.compute != torch.bfloat16:
+        return None
+    has, _ = has_bf16_units(device)
+    return torch.bfloat16 if has else None
+

@@ -60,6 +60,7 @@ class Trainer:
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
         self.spec, self.check_lp = cfg.loss.to_spec(cfg.rollout.temperature), cfg.rollout.checks_logprobs()
+        self.loss_mm = precision.loss_matmul_dtype(self.precision, self.device)  # bf16 products only on bf16 units
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
         self.optimizer, self.scheduler = make_optimizer(
@@ -217,7 +218,8 @@ class Trainer:
         """The distillation loss against the teacher; with GRPO, the policy gradient ``-A log S(y)``."""
         head, chunk, r = full_head_weight(self.model), self.cfg.loss.chunk_size, self.cfg.rollout
         if adv is None:
-            loss, st = fused_linear_distill(s_hidden, head, t_hidden, t_head, mb.weights, mb.targets, self.spec, chunk_size=chunk)
+            loss, st = fused_linear_distill(s_hidden, head, t_hidden, t_head, mb.weights, mb.targets, self.spec,
+                                            chunk_size=chunk, matmul_dtype=self.loss_mm)
         else:
             a = mb.weights.new_tensor([adv[i] for i, n in zip(mb.sample_indices, mb.response_lens) for _ in range(n)])
             loss, st = fused_linear_policy_gradient(s_hidden, head, mb.targets, mb.weights * a, temperature=self.spec.temperature, chunk_size=chunk)

@@ -78,3 +78,13 @@ def test_cpu_offloaded_frozen_copy_is_copied_one_way(tiny_model, monkeypatch):
     hidden, _ = teacher.score(ids, torch.ones_like(ids), torch.arange(4))
     assert torch.equal(hidden, want)
     assert {id(t): t.data_ptr() for t, _ in teacher._host} == host  # back on the same host storage
+
+
+def test_a_torch_without_sum_reductions_is_one_line_before_sharding(tiny_model, monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+
+    from opsd.errors import UserError
+
+    monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
+    with pytest.raises(UserError, match="lacks FSDPModule.set_force_sum_reduction_for_comms"):
+        distributed.shard_model(tiny_model, mesh=None, param_dtype=None)

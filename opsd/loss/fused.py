@@ -325,6 +325,20 @@ def fused_linear_distill(
     None (the default) keeps every product in the compute dtype.
     """
     _check_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, weights, targets, spec)
+    if student_hidden.device.type == "cuda":  # bf16 products accumulate in float32, not in bf16
+        prev = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        try:
+            return _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, weights,
+                                         targets, spec, chunk_size, with_stats, matmul_dtype)
+        finally:
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
+    return _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, weights, targets,
+                                 spec, chunk_size, with_stats, matmul_dtype)
+
+
+def _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, weights, targets, spec,
+                          chunk_size, with_stats, matmul_dtype):
     if matmul_dtype not in (None, torch.bfloat16):
         raise ValueError(f"matmul_dtype must be None or torch.bfloat16, got {matmul_dtype}")
     n, h = student_hidden.shape
