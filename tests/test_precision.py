@@ -284,3 +284,24 @@ def test_bf16_loss_products_track_float32_products(assets, tmp_path, monkeypatch
     tr.forward_backward = spy
     tr.train()
     assert seen["bf16"] == pytest.approx(seen["fp32"], rel=1e-3), seen
+
+
+# --- one resolver for train, eval and sft ------------------------------------------------------
+
+
+def test_eval_resolves_auto_like_train(assets, cpu_bf16):
+    from opsd.eval import evaluate
+
+    (res,) = evaluate(assets["model"], assets["data"], limit=1, max_new_tokens=2, device="cpu").values()
+    assert res.settings["dtype"] == ("bfloat16" if cpu_bf16 else "float32")
+
+
+def test_bf16_sft_keeps_float32_masters(assets, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sft"
+    args = ["sft", "--model", assets["model"], "--data", assets["data"], "--out", str(out), "--steps", "2",
+            "--batch-size", "2", "--dtype", "bfloat16", "--lr", "1e-3"]
+    assert main(args) == 0
+    assert "compute bfloat16 over float32 master weights" in capsys.readouterr().err
+    assert AutoModelForCausalLM.from_pretrained(out).dtype == FP32  # the masters are what is saved
