@@ -19,6 +19,7 @@ Frozen weights (the LoRA base model) are not saved; they come from ``model.path`
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import shutil
@@ -37,7 +38,7 @@ from opsd.distributed import (
     save_distributed,
 )
 from opsd.errors import TrainingError, UserError
-from opsd.models import base_model, merged_state_dict
+from opsd.models import base_model, merged_weights
 
 PREFIX = "step_"
 # state.pt's "format". 1 (no key): before float32 master weights; a bf16 full fine-tuning run stored
@@ -168,18 +169,20 @@ def save_checkpoint(
     final = root / f"{PREFIX}{step:06d}"
     if rank == 0:
         clean_partial(run_dir)
-    weights, merged = _export_weights(model, save_merged)
+    weights = _export_weights(model)
+    lora = hasattr(model, "peft_config")
 
     def export(tmp: Path) -> None:
         model.save_pretrained(tmp / "model", safe_serialization=True, **weights)
         tokenizer.save_pretrained(tmp / "model")
-        if merged is not None:
-            base_model(model).save_pretrained(tmp / "merged", state_dict=merged, safe_serialization=True)
-            tokenizer.save_pretrained(tmp / "merged")
+
+    def merged(tmp: Path) -> None:
+        write_merged(model, tokenizer, tmp / "merged")
 
     try:
         mine = {**(rank_state or {}), "rng": rng_state()}
-        save_distributed(final, model, optimizer, mine, state, tensors=tensors, export=export)
+        save_distributed(final, model, optimizer, mine, state, tensors=tensors, export=export,
+                         collective_export=merged if save_merged and lora else None)
     except BaseException as err:
         cause = _cause(err, rank)
         if cause is err and not isinstance(err, _write_errors()):
@@ -200,31 +203,70 @@ def save_checkpoint(
     return final
 
 
-def _export_weights(model: nn.Module, save_merged: bool) -> tuple[dict, dict[str, Tensor] | None]:
-    """What the Hugging Face export writes: ``save_pretrained`` keyword arguments for ``model/``
-    and the merged weights for ``merged/`` (LoRA folded in out of place, the live weights untouched).
-
-    Unsharded, ``save_pretrained`` reads the live model. Sharded, this is collective and rank 0
-    gets the gathered full weights (the others empty dicts).
-    """
-    lora = hasattr(model, "peft_config")
+def _export_weights(model: nn.Module) -> dict:
+    """``save_pretrained`` keyword arguments for ``model/``: nothing unsharded (it reads the live
+    model); sharded, the gathered full weights on rank 0 (collective; the others get empty dicts)."""
     if not is_sharded(model):
-        return {}, merged_state_dict(model) if save_merged and lora else None
-    weights = {"state_dict": gather_full_state_dict(model, trainable_only=lora)}
-    return weights, _gather_on_rank0(merged_state_dict(model)) if save_merged and lora else None
+        return {}
+    return {"state_dict": gather_full_state_dict(model, trainable_only=hasattr(model, "peft_config"))}
 
 
-def _gather_on_rank0(sd: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Collective: each sharded tensor gathered in turn; rank 0 keeps CPU copies, the others nothing."""
+MERGED_SHARD_BYTES = 2 << 30
+
+
+def write_merged(model: nn.Module, tokenizer, out: Path, *, shard_bytes: int = MERGED_SHARD_BYTES) -> None:
+    """The LoRA adapter folded into the base weights (out of place), written to ``out`` as a Hugging
+    Face model in safetensors shards, one merged tensor at a time: at most one shard is held, not a
+    second copy of the model (~15 GB at 8B). Collective when the model is sharded: every rank gathers
+    each tensor, rank 0 writes. A write error on rank 0 is raised after the last gather, so the other
+    ranks are never left waiting in one."""
+    from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
 
     rank, _ = rank_world()
-    out = {}
-    for k, v in sd.items():
-        full = v.full_tensor() if isinstance(v, DTensor) else v
-        if rank == 0:
-            out[k] = full.cpu()
-    return out
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, Tensor] = {}
+    shards, size, total, failed = 0, 0, 0, None
+    where: dict[str, int] = {}  # tensor name -> shard number
+
+    def write() -> None:
+        nonlocal failed, shards, shard, size
+        if failed is None:
+            try:
+                save_file(shard, str(out / f".shard-{shards}.safetensors"), metadata={"format": "pt"})
+            except (OSError, RuntimeError) as err:
+                failed = err
+        shards, shard, size = shards + 1, {}, 0
+
+    for name, t in merged_weights(model):
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if rank != 0:
+            continue
+        full = full.detach().to("cpu").clone()  # its own storage: tied weights share theirs
+        if shard and size + full.nbytes > shard_bytes:
+            write()
+        shard[name] = full
+        size += full.nbytes
+        total += full.nbytes
+        where[name] = shards
+    if rank != 0:
+        return
+    write()
+    if failed is not None:
+        raise failed
+    names = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+                                                        for i in range(shards)]
+    for i, fname in enumerate(names):
+        (out / f".shard-{i}.safetensors").rename(out / fname)
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: names[i] for k, i in where.items()}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    base = base_model(model)
+    base.config.save_pretrained(out)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 def load_checkpoint(

@@ -571,6 +571,7 @@ def save_distributed(
     *,
     tensors: dict[str, Tensor] | None = None,
     export: Callable[[Path], None] | None = None,
+    collective_export: Callable[[Path], None] | None = None,
 ) -> Path:
     """Collective: write a checkpoint to ``ckpt_dir`` atomically; every rank calls it, rank 0 commits.
 
@@ -579,7 +580,9 @@ def save_distributed(
     * ``rank_NNNNN.pt``: each rank's ``extra_state_per_rank`` (its RNG state, ...).
     * ``state.pt``: rank 0's ``shared_state`` (step, scheduler, data cursor, ...).
     * whatever ``export(tmp_dir)`` writes on rank 0 (the Hugging Face adapter / merged model, from a
-      :func:`gather_full_state_dict` every rank called before).
+      :func:`gather_full_state_dict` every rank called before), and whatever
+      ``collective_export(tmp_dir)`` writes, which every rank calls (it streams gathered tensors to
+      rank 0; it must run its collectives to the end on every rank and raise only after them).
 
     Everything goes to ``.tmp-<name>`` beside ``ckpt_dir``; after all ranks finished, rank 0 renames
     it into place. A kill at any point leaves either the previous checkpoints or the complete new one
@@ -615,6 +618,8 @@ def save_distributed(
                     export(tmp)
 
         run_setup(write_own, f"checkpoint save to {final}")
+        if collective_export is not None:
+            run_setup(lambda: collective_export(tmp), f"checkpoint export to {final}")
 
         def commit() -> None:
             if rank != 0:
