@@ -217,14 +217,19 @@ class Trainer:
     def loss(self, s_hidden: Tensor, t_hidden: Tensor | None, t_head: Tensor | None, mb, adv: list[float] | None):
         """The distillation loss against the teacher; with GRPO, the policy gradient ``-A log S(y)``."""
         head, chunk, r = full_head_weight(self.model), self.cfg.loss.chunk_size, self.cfg.rollout
+        # The rollout check's log S(y) comes from the loss's own logits when they are tempered alike.
+        mine = None
+        if adv is None and mb.rollout_logprobs is not None and self.spec.temperature == r.temperature:
+            mine = torch.full_like(mb.rollout_logprobs, float("nan"))
         if adv is None:
             loss, st = fused_linear_distill(s_hidden, head, t_hidden, t_head, mb.weights, mb.targets, self.spec,
-                                            chunk_size=chunk, matmul_dtype=self.loss_mm)
+                                            chunk_size=chunk, matmul_dtype=self.loss_mm, target_logprobs=mine)
         else:
             a = mb.weights.new_tensor([adv[i] for i, n in zip(mb.sample_indices, mb.response_lens) for _ in range(n)])
             loss, st = fused_linear_policy_gradient(s_hidden, head, mb.targets, mb.weights * a, temperature=self.spec.temperature, chunk_size=chunk)
         if mb.rollout_logprobs is not None:  # the train/inference mismatch: engine's log S(y) against ours
-            mine = token_logprobs(s_hidden, head, mb.targets, temperature=r.temperature, chunk_size=chunk)
+            if mine is None or bool(mine.isnan().any()):  # GRPO, another loss temperature, zero-weight rows
+                mine = token_logprobs(s_hidden, head, mb.targets, temperature=r.temperature, chunk_size=chunk)
             st.logprob_gap, st.logprob_tokens = float((mine - mb.rollout_logprobs).abs().sum()), float(mine.numel())
         return loss, st
 

@@ -121,3 +121,18 @@ def test_merged_export_streams_shards_and_loads_as_the_merged_model(tiny_model, 
     # W + B A computed by the same get_delta_weight in both, in float32: equal up to the order of the
     # merged model's own forward (identical here); 1e-6 allows for a reassociated sum of 32 terms.
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["jsd", "topk", "sampled"])
+def test_loss_kernel_gives_the_sampled_tokens_log_probs(mode):
+    """The fused loss's own student logits give log softmax(z/T)[y] over the full vocabulary (top-k too),
+    as token_logprobs does with a second product: in float64 they agree to rounding (1e-12)."""
+    from opsd.loss import DistillSpec, fused_linear_distill, token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(40, 16, generator=g, dtype=torch.float64), torch.randn(64, 16, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 64, (40,), generator=g)
+    spec = DistillSpec(mode=mode, temperature=0.7, topk=5, clip_mode="none")
+    got = torch.full((40,), float("nan"), dtype=torch.float64)
+    fused_linear_distill(h, w, h + 0.1, w, targets=y, spec=spec, chunk_size=16, target_logprobs=got)
+    torch.testing.assert_close(got, token_logprobs(h, w, y, temperature=0.7), rtol=0, atol=1e-12)

@@ -402,3 +402,18 @@ def test_forward_backward_is_the_step_loop_and_can_run_without_gradients(assets,
     assert all(g is None for g in seen["grads"])
     (loss_eval, st_eval), (loss_train, st_train) = seen["eval"], seen["train"]
     assert float(loss_eval) == float(loss_train) and st_eval.means() == st_train.means()
+
+
+def test_logprob_check_reuses_the_loss_logits_when_the_temperatures_agree(assets, tmp_path, monkeypatch):
+    """With loss and sampling at one temperature the trainer's log S(y) comes from the fused loss's own
+    student logits (no second head product); at another loss temperature it takes its own product."""
+    def refuse(*a, **k):
+        raise AssertionError("a second head product for the log-prob check")
+
+    monkeypatch.setattr(trainer_mod, "token_logprobs", refuse)
+    (rec,) = Trainer(make_cfg(assets, tmp_path / "same", **{"rollout.logprob_check": "true",
+                                                           "optim.max_steps": 1})).train()
+    assert 0.0 <= rec["logprob_gap"] < 16 * (torch.finfo(torch.float32).eps / 2) * math.log(512)  # as above
+    with pytest.raises(AssertionError, match="second head product"):
+        Trainer(make_cfg(assets, tmp_path / "other", **{"rollout.logprob_check": "true", "loss.temperature": 0.7,
+                                                       "optim.max_steps": 1})).train()

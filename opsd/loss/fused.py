@@ -300,6 +300,7 @@ def fused_linear_distill(
     chunk_size: int | None = None,
     with_stats: bool = True,
     matmul_dtype: torch.dtype | None = None,
+    target_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
     """Distillation loss from final hidden states ``[N, H]`` and lm_head weights ``[V, H]``.
 
@@ -323,6 +324,10 @@ def fused_linear_distill(
     and is off by up to 5e-3 relative (its gradient error is about 3x the float32 path's).
     ``tests/test_loss.py`` holds these bounds.
     None (the default) keeps every product in the compute dtype.
+
+    ``target_logprobs``: an ``[N]`` tensor to fill with ``log softmax(z_s / T)[targets]`` (the full
+    vocabulary, whatever ``spec.mode``) for every row with a non-zero weight, from the student logits
+    the loss computes anyway: the rollout log-prob check without a second head product.
     """
     _check_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, weights, targets, spec)
     if student_hidden.device.type == "cuda":  # bf16 products accumulate in float32, not in bf16
@@ -330,15 +335,15 @@ def fused_linear_distill(
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         try:
             return _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, weights,
-                                         targets, spec, chunk_size, with_stats, matmul_dtype)
+                                         targets, spec, chunk_size, with_stats, matmul_dtype, target_logprobs)
         finally:
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
     return _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, weights, targets,
-                                 spec, chunk_size, with_stats, matmul_dtype)
+                                 spec, chunk_size, with_stats, matmul_dtype, target_logprobs)
 
 
 def _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, weights, targets, spec,
-                          chunk_size, with_stats, matmul_dtype):
+                          chunk_size, with_stats, matmul_dtype, target_logprobs=None):
     if matmul_dtype not in (None, torch.bfloat16):
         raise ValueError(f"matmul_dtype must be None or torch.bfloat16, got {matmul_dtype}")
     n, h = student_hidden.shape
@@ -376,6 +381,10 @@ def _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teache
             a = _logits_bf16(hs, ws).mul_(inv_t)
             b = _logits_bf16(ht, wt).mul_(inv_t)
         del ht
+        if target_logprobs is not None:  # before the kernels overwrite a
+            y = targets.index_select(0, idx)[:, None]
+            lp = a.gather(-1, y).squeeze(-1) - a.logsumexp(-1)
+            target_logprobs.index_copy_(0, idx, lp.to(target_logprobs.dtype))
         w = w_all.index_select(0, idx)
         kw = dict(need_grad=need_grad_h or need_grad_w, with_stats=with_stats)
         if spec.mode == "sampled":
