@@ -48,13 +48,14 @@ def fused_linear_policy_gradient(
         log_s = torch.log_softmax((hs * inv_t) @ w_all.t(), dim=-1)
         y, c = targets.index_select(0, idx)[:, None], c_all.index_select(0, idx)[:, None]
         total -= (c * log_s.gather(-1, y)).sum()
-        stats.entropy_student -= float((log_s.exp() * log_s).sum())
+        stats.entropy_student = stats.entropy_student - (log_s.exp() * log_s).sum()  # no sync per chunk
         if need_h or need_w:
             gz = _grad_sampled(log_s.exp_(), y, c * inv_t)
             if grad_h is not None:
                 grad_h.index_copy_(0, idx, gz @ w_all)
             if grad_w is not None:
                 grad_w.addmm_(gz.t(), hs)
+    stats.materialize()
     if not (need_h or need_w):
         return total, stats
     out = _PrecomputedGrad.apply(
