@@ -53,8 +53,6 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
     """The training loss and its statistics on ``examples`` for the trainer's current student: one
     sampled response per problem, scored as a training step scores it, with no gradient or update."""
     from opsd.data import PromptBuilder, make_microbatches, make_sample
-    from opsd.distributed import forward_hidden, full_head_weight
-    from opsd.loss import LossStats, fused_linear_distill
     from opsd.rollout import SamplingParams
 
     cfg = trainer.cfg
@@ -87,22 +85,8 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
         global_seqs=len(samples),
         device=trainer.device,
     )
-    loss, stats = 0.0, LossStats()
-    for mb in batches:
-        t_hidden, t_head = trainer.teacher.score(mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
-        s_hidden = forward_hidden(trainer.model, mb.student_ids, mb.student_mask, mb.student_pos)
-        part, st = fused_linear_distill(
-            s_hidden,
-            full_head_weight(trainer.model),
-            t_hidden,
-            t_head,
-            mb.weights,
-            mb.targets,
-            trainer.spec,
-            chunk_size=cfg.loss.chunk_size,
-        )
-        loss += float(part)
-        stats.add(st)
+    loss_sum, stats = trainer.forward_backward(batches, backward=False)  # the step's own loop, no gradient
+    loss = float(loss_sum)
     trainer.teacher.release()
     return {
         "loss": loss,
