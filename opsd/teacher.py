@@ -18,7 +18,6 @@ FSDP gathers the weights.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -32,10 +31,10 @@ from opsd.models import base_model, check_plain_head, load_model, load_tokenizer
 class Teacher:
     """Scores responses with privileged context; holds whatever state its mode needs.
 
-    ``shard(module, cpu_offload=False)`` FSDP-shards a module in place (under torchrun). The order is
-    fixed, so the teacher does it: the frozen copy is taken from the unsharded student, then the
-    separate teacher network and the student are sharded, then the EMA snapshot is taken of the
-    sharded student (so it is sharded like it).
+    Under torchrun (``sharded=True``) the order is fixed: this constructor takes the frozen copy from
+    the still unsharded student; :func:`opsd.parallel.parallelize` then shards the separate teacher
+    network (``self.model``) and the student; :meth:`start` takes the EMA snapshot last, of the
+    sharded student, so that it is sharded like it. In one process :meth:`start` follows at once.
     """
 
     def __init__(
@@ -48,11 +47,12 @@ class Teacher:
         external: nn.Module | None = None,
         frozen_copy: str = "device",
         copy_dtype: torch.dtype | None = None,
-        shard: Callable[..., nn.Module] | None = None,
+        sharded: bool = False,
     ) -> None:
         self.mode, self.student, self.lora, self.decay = mode, student, lora, ema_decay
         self.model: nn.Module | None = None  # a separate teacher network, when there is one
-        self.offload = False
+        self.offload = False  # one process: the frozen copy lives in host memory between micro-batches
+        self.offload_shards = False  # torchrun on GPUs: FSDP keeps the frozen copy's shards in host memory
         self.ema: list[Tensor] = []
         if mode == "external":
             if external is None:
@@ -63,18 +63,21 @@ class Teacher:
             self.model = copy.deepcopy(base_model(student)).requires_grad_(False).eval()
             if copy_dtype is not None:  # never updated: it needs no float32 master copy
                 self.model.to(copy_dtype)
-            self.offload = frozen_copy == "cpu"
-            if self.offload and shard is None:
+            if frozen_copy == "cpu" and sharded:
+                self.offload_shards = self.model.device.type == "cuda"  # FSDP's CPU offload is for GPU runs
+            elif frozen_copy == "cpu":
+                self.offload = True
                 self.model.to("cpu")
                 self._host = _pinned_host_copies(self.model)
         elif mode not in ("fixed", "live", "ema"):
             raise ValueError(f"unknown teacher mode {mode!r}: expected fixed, ema, live or external")
-        if shard is not None:
-            if self.model is not None:  # FSDP offloads the shards and gathers them per layer (GPU runs only)
-                shard(self.model, cpu_offload=self.offload and self.model.device.type == "cuda")
-                self.offload = False
-            shard(student)
-        if mode == "ema":  # float32 (or wider): at decay 0.999 a bf16 average would round most updates away
+        if not sharded:
+            self.start()
+
+    def start(self) -> None:
+        """Take the EMA snapshot of the student (sharded already, under torchrun); float32 or wider:
+        at decay 0.999 a bf16 average would round most updates away."""
+        if self.mode == "ema" and not self.ema:
             self.ema = [p.detach().to(_wide(p.dtype)).clone() for p in self._trainable()]
 
     @staticmethod

@@ -12,7 +12,6 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from opsd.distributed import all_reduce_sum, forward_hidden, full_head_weight, p
 from opsd.errors import TrainingError
 from opsd.loss import LossStats, fused_linear_distill, fused_linear_policy_gradient, token_logprobs
 from opsd.optim import make_optimizer
+from opsd.parallel import parallelize
 from opsd.rewards import flat_group_fraction, group_advantages, make_reward
 from opsd.rollout import SamplingParams, make_engine
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
@@ -50,13 +50,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # the same on every rank: LoRA's initial weights must agree before sharding
         # Run directory, data, tokenizer and model: a failure on any rank ends every rank with its message.
         distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
-        shard = None if self.dist.mesh is None else partial(
-            distributed.shard_model, mesh=self.dist.mesh, param_dtype=self._fsdp_param_dtype(),
-            reduce_dtype=models.DTYPES[cfg.parallel.reduce_dtype])
         self.reward = make_reward(cfg.grpo.grader) if cfg.objective == "grpo" else None
         self.teacher = Teacher("live" if self.reward else cfg.teacher.mode, self.model, lora=cfg.model.lora.enabled,
                                ema_decay=cfg.teacher.ema_decay, external=self._external,
-                               frozen_copy=cfg.teacher.frozen_copy, copy_dtype=self.precision.compute, shard=shard)
+                               frozen_copy=cfg.teacher.frozen_copy, copy_dtype=self.precision.compute,
+                               sharded=self.dist.mesh is not None)
+        if self.dist.mesh is not None:  # under torchrun: FSDP2 over the mesh, teacher network first
+            parallelize(self.model, self.teacher, self.dist.mesh, param_dtype=self._fsdp_param_dtype(),
+                        reduce_dtype=models.DTYPES[cfg.parallel.reduce_dtype])
+        self.teacher.start()  # the EMA snapshot, of the student as sharded
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
         self.spec, self.check_lp = cfg.loss.to_spec(cfg.rollout.temperature), cfg.rollout.checks_logprobs()
