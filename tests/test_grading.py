@@ -146,12 +146,17 @@ def test_grading_off_the_main_thread() -> None:
     ],
 )
 def test_pass_at_k(n: int, c: int, k: int, expected: float) -> None:
-    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+    # float64 (u = 1.1e-16): a running product of <= 3 factors (2 roundings each) and 1 - p against one
+    # division and 1 - q: <= ~9u = 1e-15 apart on values <= 1; measured <= 1 ulp (1.1e-16)
+    assert pass_at_k(n, c, k) == pytest.approx(expected, rel=0, abs=1e-14)
 
 
 def test_pass_at_k_large_n_is_stable() -> None:
-    assert pass_at_k(1000, 1, 1) == pytest.approx(0.001)
-    assert pass_at_k(1000, 500, 500) == pytest.approx(1 - math.comb(500, 500) / math.comb(1000, 500))
+    # 1 - (1 - 1/1000): the inner rounding (<= u/2 = 5.6e-17) survives the exact outer subtraction, which
+    # makes it 5.6e-14 relative to 0.001; measured 8.7e-16
+    assert pass_at_k(1000, 1, 1) == pytest.approx(0.001, rel=1e-12, abs=0)
+    # exact: 1 / C(1000, 500) = 4e-300 is far below half an ulp of 1, so both sides round to 1.0
+    assert pass_at_k(1000, 500, 500) == 1 - math.comb(500, 500) / math.comb(1000, 500)
 
 
 @pytest.mark.parametrize("n, c, k", [(5, 2, 6), (5, 2, 0), (5, 6, 1), (0, 0, 1), (5, -1, 1)])
