@@ -477,6 +477,13 @@ def reshard(model: nn.Module) -> None:
         model.reshard()
 
 
+def local_numel(t: Tensor) -> int:
+    """Elements this rank holds: a sharded parameter's shard, or the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
+
+
 def clip_grad_norm(params: Iterable[Tensor], max_norm: float) -> Tensor:
     """Clip (sharded) gradients to a global norm; returns that norm as a plain tensor, equal on all ranks."""
     from torch.distributed.tensor import DTensor

@@ -73,7 +73,7 @@ class Trainer:
             cfg.rollout, self.model, self.tokenizer, seed=cfg.seed, max_prompt_len=cfg.data.max_prompt_len,
             compute_dtype=self.precision.compute, autocast_dtype=amp), "rollout engine start")
         self.engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it) ...
-        adam_bytes = 2 * sum(p.numel() * 4 for p in self.params)  # ... and with room for AdamW's two fp32 moments
+        adam_bytes = 2 * 4 * sum(distributed.local_numel(p) for p in self.params)  # ... and room for AdamW's moments
         self.mb_tokens, why = models.microbatch_budget(o.max_tokens_per_microbatch, models.base_model(self.model).config,
                                                        self.precision.compute, self.device, cfg.model.gradient_checkpointing,
                                                        reserve=adam_bytes)
@@ -184,8 +184,8 @@ class Trainer:
         """The micro-batch loop: teacher hidden states (no grad) -> student hidden states -> fused loss
         -> backward, per micro-batch; returns the summed loss (float64, this rank's) and the loss
         statistics. ``backward=False`` computes the same numbers without gradients (held-out
-        divergence); ``adv``: GRPO's advantages, per sample. The one copy of this loop: the step,
-        the distributed tests and the benchmarks call it."""
+        divergence); ``adv``: GRPO's advantages, per sample. The step and bench/smollm2_opsd.py call it
+        (tests/test_distributed.py and bench/gpu_step.py still keep copies of their own)."""
         timer = timer or metrics.StepTimer(sync=False)
         loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()
         with torch.enable_grad() if backward else torch.no_grad():
