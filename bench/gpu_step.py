@@ -10,8 +10,9 @@ bf16 compute, sdpa attention. Setups:
 * full fine-tuning, FSDP2 with world size 1: fp32 master weights and AdamW state, bf16 compute,
   fp32 gradient reduction; the fixed teacher is a frozen bf16 copy, FSDP-sharded too.
 
-Per setup: one warm-up step, then the mean over measured steps of each phase (teacher forward,
-student forward, fused loss, backward, optimizer incl. clipping) and the peak GPU memory. Then
+Per setup: one warm-up step, then the mean over measured steps of each phase of the trainer's own
+micro-batch loop (``opsd.trainer.forward_backward``: teacher forward, student forward and backward,
+fused loss; then the optimizer incl. clipping) and the peak GPU memory. Then
 ``fused_linear_distill`` alone, forward+backward (student head trainable), at 4k and 16k response
 tokens. Writes the "GPU step" section of docs/benchmarks.md. Must finish within 8 minutes: no setup
 starts after 7 (the table then says which were skipped).
@@ -64,7 +65,7 @@ TINY = {  # the same architecture, small enough for a CPU
 LENGTHS = {"prompt": 200, "teacher_prompt": 700, "response": 1024}
 TINY_LENGTHS = {"prompt": 20, "teacher_prompt": 70, "response": 64}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PHASES = ("teacher", "student fwd", "loss", "backward", "optimizer")
+PHASES = ("teacher", "student", "loss", "optimizer")  # the trainer's timer phases
 
 
 def _setup_process_group(device: str) -> object:
@@ -122,30 +123,15 @@ def _microbatches(n_samples: int, per_mb: int, lengths: dict, vocab: int, device
 
 
 def _step(model, teacher, opt, mbs: list, spec, timer) -> None:
-    """The trainer's micro-batch loop and update, without rollout."""
+    """The trainer's micro-batch loop (opsd.trainer.forward_backward) and update, without rollout."""
     from opsd import distributed as D
     from opsd.loss import fused_linear_distill
+    from opsd.trainer import forward_backward
 
-    for mb in mbs:
-        with timer("teacher"), torch.no_grad():
-            if teacher is None:  # LoRA: the base model with the adapter off
-                with model.disable_adapter():
-                    th = D.forward_hidden(model, mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
-                    tw = D.full_head_weight(model).detach()
-            else:
-                th = D.forward_hidden(teacher, mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
-                tw = D.full_head_weight(teacher)
-        with timer("student fwd"):
-            sh = D.forward_hidden(model, mb.student_ids, mb.student_mask, mb.student_pos)
-        with timer("loss"):
-            loss, _ = fused_linear_distill(
-                sh, D.full_head_weight(model), th, tw, mb.weights, mb.targets, spec
-            )
-        with timer("backward"):
-            loss.backward()
-        if teacher is not None:
-            D.reshard(teacher)
-        del th, tw, sh, loss
+    def loss_fn(sh, th, tw, mb, adv):
+        return fused_linear_distill(sh, D.full_head_weight(model), th, tw, mb.weights, mb.targets, spec)
+
+    forward_backward(model, teacher, mbs, loss_fn, timer=timer)
     with timer("optimizer"):
         D.clip_grad_norm([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
@@ -160,6 +146,7 @@ def _build(setup: str, shape: dict, dist, gradient_checkpointing: bool):
     """(student, teacher or None, optimizer) for one setup."""
     from opsd import distributed as D
     from opsd.models import apply_lora, enable_gradient_checkpointing
+    from opsd.teacher import Teacher
 
     dev, bf16 = dist.device, torch.bfloat16
     if setup.startswith("lora"):
@@ -174,7 +161,7 @@ def _build(setup: str, shape: dict, dist, gradient_checkpointing: bool):
             target_modules=LORA_TARGETS,
             gradient_checkpointing=gradient_checkpointing,
         )
-        teacher = None
+        teacher = Teacher("fixed", model, lora=True)  # the base model with the adapter off
         if setup == "lora fsdp":
             D.shard_model(model, dist.mesh, param_dtype=bf16)
     else:
@@ -185,6 +172,7 @@ def _build(setup: str, shape: dict, dist, gradient_checkpointing: bool):
         D.shard_model(teacher, dist.mesh, param_dtype=bf16)
         D.shard_model(model, dist.mesh, param_dtype=bf16, reduce_dtype=torch.float32)
         model.train()
+        teacher = Teacher("external", model, lora=False, external=teacher)  # a separate frozen network
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
     return model, teacher, opt
@@ -269,14 +257,14 @@ def render(rows: list[dict], loss_rows: list[dict], env: str, notes: list[str]) 
     out = [
         env,
         "",
-        "| setup | trainable params | build s | step s | teacher fwd s | student fwd s | fused loss s | "
-        "backward s | optimizer s | response tok/s | peak GPU GB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| setup | trainable params | build s | step s | teacher fwd s | student fwd+bwd s | fused loss s | "
+        "optimizer s | response tok/s | peak GPU GB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         out.append(
             f"| {r['setup']} | {r['trainable'] / 1e6:.1f}M | {r['build_s']:.0f} | {r['step']:.2f} | {r['teacher']:.2f} | "
-            f"{r['student fwd']:.2f} | {r['loss']:.2f} | {r['backward']:.2f} | {r['optimizer']:.2f} | "
+            f"{r['student']:.2f} | {r['loss']:.2f} | {r['optimizer']:.2f} | "
             f"{r['tokens'] / r['step']:.0f} | {_fmt_gb(r['peak_gb'])} |"
         )
     out += [
@@ -347,8 +335,8 @@ def main() -> int:
     )
     notes.append(
         "- Phases are synchronized wall times; `fused loss` includes the analytic gradients "
-        "(the loss computes them while walking the chunks), `backward` is the model's backward "
-        "(plus FSDP's gradient reduction), `optimizer` is clipping + AdamW."
+        "(the loss computes them while walking the chunks), `student fwd+bwd` is the student's forward and "
+        "the model's backward (plus FSDP's gradient reduction), `optimizer` is clipping + AdamW."
     )
     text = render(rows, loss_rows, env, notes)
     print(text)

@@ -31,7 +31,35 @@ from opsd.rollout import SamplingParams, make_engine
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
 from opsd.teacher import Teacher
 
-__all__ = ["Trainer", "TrainingError"]
+__all__ = ["Trainer", "TrainingError", "forward_backward"]
+
+
+def forward_backward(model, teacher: Teacher, batches: list, loss_fn, *, adv: list[float] | None = None,
+                     autocast=nullcontext, timer=None, backward: bool = True) -> tuple[Tensor, LossStats]:
+    """The micro-batch loop of a step: per micro-batch, the teacher's hidden states (no grad) -> the
+    student's -> ``loss_fn(s_hidden, t_hidden, t_head, mb, adv)`` -> backward. Returns the summed loss
+    (float64, this rank's) and the loss statistics. ``backward=False`` computes the same numbers
+    without gradients (held-out divergence); ``adv``: GRPO's advantages per sample (no teacher);
+    ``autocast``: a context for the forwards (one process's bf16 compute). The trainer's step, the
+    distributed tests and bench/smollm2_opsd.py run it; no other copy of this loop exists."""
+    timer = timer or metrics.StepTimer(sync=False)
+    loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()
+    with torch.enable_grad() if backward else torch.no_grad():
+        for mb in batches:
+            with timer("teacher"), autocast():  # GRPO has no teacher
+                t_hidden, t_head = (None, None) if adv is not None else teacher.score(
+                    mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
+            with timer("student"), autocast():
+                s_hidden = forward_hidden(model, mb.student_ids, mb.student_mask, mb.student_pos)
+            with timer("loss"):
+                loss, st = loss_fn(s_hidden, t_hidden, t_head, mb, adv)
+            if backward:
+                with timer("student"):
+                    loss.backward()
+            loss_sum += loss.detach().double().cpu()
+            stats.add(st if mb.sample_indices else LossStats())  # a zero-weight padding micro-batch adds nothing
+    teacher.release()  # a sharded teacher network never runs backward, when FSDP would free its root
+    return loss_sum, stats
 
 
 class Trainer:
@@ -181,28 +209,10 @@ class Trainer:
 
     def forward_backward(self, batches: list, adv: list[float] | None = None, *, timer=None,
                          backward: bool = True) -> tuple[Tensor, LossStats]:
-        """The micro-batch loop: teacher hidden states (no grad) -> student hidden states -> fused loss
-        -> backward, per micro-batch; returns the summed loss (float64, this rank's) and the loss
-        statistics. ``backward=False`` computes the same numbers without gradients (held-out
-        divergence); ``adv``: GRPO's advantages, per sample. The step and bench/smollm2_opsd.py call it
-        (tests/test_distributed.py and bench/gpu_step.py still keep copies of their own)."""
-        timer = timer or metrics.StepTimer(sync=False)
-        loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()
-        with torch.enable_grad() if backward else torch.no_grad():
-            for mb in batches:
-                with timer("teacher"), self.autocast():  # GRPO has no teacher
-                    t_hidden, t_head = (None, None) if adv is not None else self.teacher.score(
-                        mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
-                with timer("student"), self.autocast():
-                    s_hidden = forward_hidden(self.model, mb.student_ids, mb.student_mask, mb.student_pos)
-                with timer("loss"):
-                    loss, st = self.loss(s_hidden, t_hidden, t_head, mb, adv)
-                if backward:
-                    with timer("student"):
-                        loss.backward()
-                loss_sum += loss.detach().double().cpu()
-                stats.add(st if mb.sample_indices else LossStats())  # a zero-weight padding micro-batch adds nothing
-        return loss_sum, stats
+        """This trainer's micro-batch loop (:func:`forward_backward`) with its model, teacher, loss and
+        mixed precision; ``backward=False`` computes the same numbers without gradients."""
+        return forward_backward(self.model, self.teacher, batches, self.loss, adv=adv, autocast=self.autocast,
+                                timer=timer, backward=backward)
 
     def autocast(self):
         """bf16 compute over float32 master weights in one process (FSDP2 casts the gathered weights
@@ -261,7 +271,6 @@ class Trainer:
         """Clip and step. FSDP summed the gradients over ranks (the loss weights are normalized by global token
         counts); norm and loss are global, so all ranks decide alike. A non-finite loss or gradient skips the
         update but still consumes the batch and advances the LR schedule (same data order and schedule)."""
-        self.teacher.release()
         grad_norm = distributed.clip_grad_norm(self.params, self.cfg.optim.grad_clip or float("inf"))
         loss_sum = all_reduce_sum(loss_sum)
         finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))

@@ -133,20 +133,19 @@ def _loss(sh, sw, th, tw, weights, targets):
 
 
 def _accumulate(model, teacher, mbs: list) -> None:
-    """Per micro-batch: teacher (adapter off, or the frozen copy), student, fused loss, backward."""
-    for mb in mbs:
-        with torch.no_grad():
-            if teacher is None:
-                with model.disable_adapter():
-                    th = D.forward_hidden(model, mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
-                    tw = D.full_head_weight(model).detach()
-            else:
-                th = D.forward_hidden(teacher, mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
-                tw = D.full_head_weight(teacher)
-        sh = D.forward_hidden(model, mb.student_ids, mb.student_mask, mb.student_pos)
-        _loss(sh, D.full_head_weight(model), th, tw, mb.weights, mb.targets).backward()
-        if teacher is not None:
-            D.reshard(teacher)
+    """The trainer's micro-batch loop (opsd.trainer.forward_backward) with the fixed teacher: LoRA's base
+    with the adapter off (``teacher`` None), or the given frozen network."""
+    from opsd.loss import LossStats
+    from opsd.teacher import Teacher
+    from opsd.trainer import forward_backward
+
+    fixed = Teacher("fixed", model, lora=True) if teacher is None else Teacher(
+        "external", model, lora=False, external=teacher)
+
+    def loss_fn(s_hidden, t_hidden, t_head, mb, adv):
+        return _loss(s_hidden, D.full_head_weight(model), t_hidden, t_head, mb.weights, mb.targets), LossStats()
+
+    forward_backward(model, fixed, mbs, loss_fn)
 
 
 def _trainable(model) -> list:

@@ -166,3 +166,17 @@ def test_loss_reads_its_statistics_back_once_not_per_chunk(clip_mode, monkeypatc
         loss, _ = fused_linear_distill(h.requires_grad_(), w, h.detach() + 0.1, w, spec=spec, chunk_size=chunk)
         counts.append(len(reads))
     assert counts[0] == counts[1] <= 2, counts
+
+
+@pytest.mark.slow
+def test_gpu_step_bench_dry_runs_on_the_cpu():
+    """bench/gpu_step.py --tiny: the GPU check's own code, on a tiny config, through the trainer's loop."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    res = subprocess.run([sys.executable, str(root / "bench" / "gpu_step.py"), "--tiny", "--no-write"],
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "| lora |" in res.stdout and "| full fsdp |" in res.stdout, res.stdout[-3000:]
