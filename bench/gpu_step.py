@@ -124,16 +124,16 @@ def _microbatches(n_samples: int, per_mb: int, lengths: dict, vocab: int, device
 
 def _step(model, teacher, opt, mbs: list, spec, timer) -> None:
     """The trainer's micro-batch loop (opsd.trainer.forward_backward) and update, without rollout."""
-    from opsd import distributed as D
+    from opsd import parallel
     from opsd.loss import fused_linear_distill
     from opsd.trainer import forward_backward
 
     def loss_fn(sh, th, tw, mb, adv):
-        return fused_linear_distill(sh, D.full_head_weight(model), th, tw, mb.weights, mb.targets, spec)
+        return fused_linear_distill(sh, parallel.full_head_weight(model), th, tw, mb.weights, mb.targets, spec)
 
     forward_backward(model, teacher, mbs, loss_fn, timer=timer)
     with timer("optimizer"):
-        D.clip_grad_norm([p for p in model.parameters() if p.requires_grad], 1.0)
+        parallel.clip_grad_norm([p for p in model.parameters() if p.requires_grad], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -144,7 +144,7 @@ def _gb(device: torch.device) -> float | None:
 
 def _build(setup: str, shape: dict, dist, gradient_checkpointing: bool):
     """(student, teacher or None, optimizer) for one setup."""
-    from opsd import distributed as D
+    from opsd import parallel
     from opsd.models import apply_lora, enable_gradient_checkpointing
     from opsd.teacher import Teacher
 
@@ -163,14 +163,14 @@ def _build(setup: str, shape: dict, dist, gradient_checkpointing: bool):
         )
         teacher = Teacher("fixed", model, lora=True)  # the base model with the adapter off
         if setup == "lora fsdp":
-            D.shard_model(model, dist.mesh, param_dtype=bf16)
+            parallel.shard_model(model, dist.mesh, param_dtype=bf16)
     else:
         model = _model(shape, dev, torch.float32)
         teacher = copy.deepcopy(model).to(bf16).requires_grad_(False).eval()
         if gradient_checkpointing:
             enable_gradient_checkpointing(model)
-        D.shard_model(teacher, dist.mesh, param_dtype=bf16)
-        D.shard_model(model, dist.mesh, param_dtype=bf16, reduce_dtype=torch.float32)
+        parallel.shard_model(teacher, dist.mesh, param_dtype=bf16)
+        parallel.shard_model(model, dist.mesh, param_dtype=bf16, reduce_dtype=torch.float32)
         model.train()
         teacher = Teacher("external", model, lora=False, external=teacher)  # a separate frozen network
     params = [p for p in model.parameters() if p.requires_grad]

@@ -2,7 +2,7 @@
 
 A run killed mid-save leaves only a ``.tmp-*`` directory behind (removed at the next save, or by
 :func:`clean_partial`); every ``step_*`` directory is complete. One layout for one process and for
-any number of torchrun ranks (:func:`opsd.distributed.save_distributed`), so a run resumes at any
+any number of torchrun ranks (:func:`save_distributed`), so a run resumes at any
 world size. ``RUN_DIR/checkpoints/step_000010/``:
 
 * ``dcp/``     -- trainable weights, optimizer state and the EMA teacher (torch.distributed.checkpoint;
@@ -19,26 +19,26 @@ Frozen weights (the LoRA base model) are not saved; they come from ``model.path`
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 import random
 import shutil
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from opsd.distributed import (
-    TMP_PREFIX,
-    gather_full_state_dict,
-    is_sharded,
-    load_distributed,
-    rank_world,
-    save_distributed,
-)
+from opsd.distributed import _initialized, rank_world, run_setup
 from opsd.errors import TrainingError, UserError
 from opsd.models import base_model, merged_weights
+from opsd.parallel import is_sharded
 
 PREFIX = "step_"
 # state.pt's "format". 1 (no key): before float32 master weights; a bf16 full fine-tuning run stored
@@ -74,6 +74,232 @@ def clean_partial(run_dir: Path) -> list[Path]:
     for p in partial:
         shutil.rmtree(p, ignore_errors=True)
     return partial
+
+
+# --- distributed checkpoint I/O: one layout for one process and any number of ranks ---------
+
+_DCP_DIR = "dcp"
+
+
+_SHARED = "state.pt"  # also what opsd.checkpoint.list_checkpoints looks for
+
+
+_META = "distributed.json"
+
+
+TMP_PREFIX = ".tmp-"  # a directory being written; opsd.checkpoint.clean_partial removes leftovers
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save/load; that is the intended use here, not a mistake."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+        )
+        yield
+
+
+def _check_plain(obj: Any, what: str) -> bytes:
+    """Serialize ``obj`` and prove it loads with ``weights_only=True`` (so resume can load it)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    try:
+        torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    except Exception as err:
+        raise TypeError(f"{what} must hold only tensors and plain data to be loadable safely: {err}") from err
+    return buf.getvalue()
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Model (trainable parameters only) and optimizer state keyed by parameter name, sharded as live."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    opts = StateDictOptions(ignore_frozen_params=True)
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=opts)}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_distributed(
+    ckpt_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra_state_per_rank: dict,
+    shared_state: dict,
+    *,
+    tensors: dict[str, Tensor] | None = None,
+    export: Callable[[Path], None] | None = None,
+    collective_export: Callable[[Path], None] | None = None,
+) -> Path:
+    """Collective: write a checkpoint to ``ckpt_dir`` atomically; every rank calls it, rank 0 commits.
+
+    * ``dcp/``: trainable parameters and optimizer state (torch.distributed.checkpoint, one file per
+      rank plus metadata; loads at any world size), and ``tensors`` (e.g. the EMA teacher).
+    * ``rank_NNNNN.pt``: each rank's ``extra_state_per_rank`` (its RNG state, ...).
+    * ``state.pt``: rank 0's ``shared_state`` (step, scheduler, data cursor, ...).
+    * whatever ``export(tmp_dir)`` writes on rank 0 (the Hugging Face adapter / merged model, from a
+      :func:`gather_full_state_dict` every rank called before), and whatever
+      ``collective_export(tmp_dir)`` writes, which every rank calls (it streams gathered tensors to
+      rank 0; it must run its collectives to the end on every rank and raise only after them).
+
+    Everything goes to ``.tmp-<name>`` beside ``ckpt_dir``; after all ranks finished, rank 0 renames
+    it into place. A kill at any point leaves either the previous checkpoints or the complete new one
+    (plus a ``.tmp-*`` that ``opsd.checkpoint.clean_partial`` removes). Extra and shared state must be
+    plain data (weights_only-loadable). A failure on any rank raises on all ranks, and the temporary
+    directory is removed. Works without a process group (one process).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    final = Path(ckpt_dir)
+    tmp = final.parent / f"{TMP_PREFIX}{final.name}"
+    rank, world = rank_world()
+
+    def prepare() -> None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+
+    run_setup(prepare, f"checkpoint save to {final}")
+    try:
+        state = _state_dicts(model, optimizer)
+        if tensors:
+            state["tensors"] = dict(tensors)
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp / _DCP_DIR, no_dist=not _initialized())
+
+        def write_own() -> None:
+            (tmp / _rank_file(rank)).write_bytes(_check_plain(extra_state_per_rank, "extra_state_per_rank"))
+            if rank == 0:
+                (tmp / _SHARED).write_bytes(_check_plain(shared_state, "shared_state"))
+                (tmp / _META).write_text(json.dumps({"world_size": world}))
+                if export is not None:
+                    export(tmp)
+
+        run_setup(write_own, f"checkpoint save to {final}")
+        if collective_export is not None:
+            run_setup(lambda: collective_export(tmp), f"checkpoint export to {final}")
+
+        def commit() -> None:
+            if rank != 0:
+                return
+            if final.exists():  # re-saving a step: the old copy stays until the new one is in place
+                old = final.parent / f"{TMP_PREFIX}old-{final.name}"
+                shutil.rmtree(old, ignore_errors=True)
+                final.rename(old)
+                tmp.rename(final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                tmp.rename(final)
+
+        run_setup(commit, f"checkpoint commit of {final}")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+@dataclass
+class Loaded:
+    """What :func:`load_distributed` hands back besides the in-place loads."""
+
+    shared_state: dict
+    rank_state: dict | None  # this rank's extra state; None if the checkpoint had fewer ranks
+    saved_world_size: int
+
+
+def load_distributed(
+    ckpt_dir: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    tensors: dict[str, Tensor] | None = None,
+) -> Loaded:
+    """Collective: load a :func:`save_distributed` checkpoint in place, at any world size.
+
+    Model, optimizer and ``tensors`` are resharded to the current layout (2 ranks -> 1, 1 -> 2, ...).
+    Per-rank state only maps back at the same world size or for ranks that existed: a new rank gets
+    ``rank_state=None`` and should seed itself from :func:`rank_seed`.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    ckpt = Path(ckpt_dir)
+    if not (ckpt / _DCP_DIR).is_dir() or not (ckpt / _SHARED).is_file():
+        raise UserError(f"{ckpt}: not a distributed checkpoint (no {_DCP_DIR}/ or {_SHARED})")
+    rank, _ = rank_world()
+    state = _state_dicts(model, optimizer)
+    if tensors:
+        state["tensors"] = dict(tensors)
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=ckpt / _DCP_DIR, no_dist=not _initialized())
+    # strict=False: frozen weights are not in the checkpoint (they come from the model source); a
+    # missing trainable tensor already failed in dcp.load, which loads every key it is asked for.
+    opts = StateDictOptions(ignore_frozen_params=True, strict=False)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state["model"], options=opts)
+    else:
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=opts
+        )
+    if tensors:
+        for name, t in tensors.items():
+            if state["tensors"][name] is not t:
+                t.copy_(state["tensors"][name])
+    rank_path = ckpt / _rank_file(rank)
+    return Loaded(
+        shared_state=torch.load(ckpt / _SHARED, weights_only=True),
+        rank_state=torch.load(rank_path, weights_only=True) if rank_path.is_file() else None,
+        saved_world_size=json.loads((ckpt / _META).read_text())["world_size"]
+        if (ckpt / _META).is_file()
+        else 1,
+    )
+
+
+def gather_full_state_dict(
+    model: nn.Module, *, trainable_only: bool = False, all_ranks: bool = False
+) -> dict[str, Tensor]:
+    """Collective: full (unsharded) weights under the model's own parameter names, for an HF export.
+
+    Rank 0 gets CPU tensors and the other ranks ``{}``; with ``all_ranks`` every rank gets them on its
+    device (a per-rank rollout engine needs them). The live weights are never modified; on one
+    process without sharding the tensors are the live ones (detached), so do not change them in place.
+    """
+    if not is_sharded(model):
+        return {
+            k: v.detach()
+            for k, v in model.state_dict().items()
+            if not trainable_only or k in _trainable_names(model)
+        }
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(
+        full_state_dict=True, cpu_offload=not all_ranks, ignore_frozen_params=trainable_only
+    )
+    return get_model_state_dict(model, options=opts)
+
+
+def _trainable_names(model: nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def iter_full_tensors(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Collective: ``(name, full tensor)`` one at a time on every rank, for streaming weight sync.
+
+    Peak memory is one full tensor, not the whole model. Every rank must drain the iterator.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, t in model.state_dict().items():
+        yield name, t.full_tensor() if isinstance(t, DTensor) else t.detach()
 
 
 # --- RNG state, in types weights_only loading accepts ------------------------------------------

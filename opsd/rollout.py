@@ -32,9 +32,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from opsd.distributed import gathered
 from opsd.errors import UserError
 from opsd.models import merged_weight_names, merged_weights
+from opsd.parallel import gathered
 
 if TYPE_CHECKING:
     from opsd.config import RolloutConfig
@@ -191,7 +191,7 @@ class HFEngine:
     """Batched transformers generation with left padding and KV cache, on the trainer's model object.
 
     On an FSDP-sharded model every rank calls ``generate`` together: the weights are gathered once
-    for the whole call (:func:`opsd.distributed.gathered`), after which each rank decodes on its own.
+    for the whole call (:func:`opsd.parallel.gathered`), after which each rank decodes on its own.
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 32, autocast_dtype: torch.dtype | None = None) -> None:

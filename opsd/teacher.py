@@ -11,7 +11,7 @@ the same tokenizer). None of them ever receives a gradient. The EMA weights are 
 (or wider); a frozen copy is kept in the compute dtype (``copy_dtype``).
 
 Under torchrun the student is FSDP-sharded, and so is a separate teacher network (the frozen
-copy or the external model); forwards go through :func:`opsd.distributed.forward_hidden` so that
+copy or the external model); forwards go through :func:`opsd.parallel.forward_hidden` so that
 FSDP gathers the weights.
 """
 
@@ -23,9 +23,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from opsd.distributed import forward_hidden, full_head_weight, is_sharded, reshard
 from opsd.errors import UserError
 from opsd.models import base_model, check_plain_head, load_model, load_tokenizer
+from opsd.parallel import forward_hidden, full_head_weight, is_sharded, reshard
 
 
 class Teacher:

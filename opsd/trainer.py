@@ -18,14 +18,15 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from opsd import checkpoint, distributed, metrics, models, precision
+from opsd import checkpoint, distributed, metrics, models, parallel, precision
 from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
-from opsd.distributed import all_reduce_sum, forward_hidden, full_head_weight, pad_microbatches
+from opsd.data.batching import pad_microbatches
+from opsd.distributed import all_reduce_sum
 from opsd.errors import TrainingError
 from opsd.loss import LossStats, fused_linear_distill, fused_linear_policy_gradient, token_logprobs
 from opsd.optim import make_optimizer
-from opsd.parallel import parallelize
+from opsd.parallel import forward_hidden, full_head_weight, parallelize
 from opsd.rewards import flat_group_fraction, group_advantages, make_reward
 from opsd.rollout import SamplingParams, make_engine
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
@@ -84,8 +85,8 @@ class Trainer:
                                frozen_copy=cfg.teacher.frozen_copy, copy_dtype=self.precision.compute,
                                sharded=self.dist.mesh is not None)
         if self.dist.mesh is not None:  # under torchrun: FSDP2 over the mesh, teacher network first
-            parallelize(self.model, self.teacher, self.dist.mesh, param_dtype=self._fsdp_param_dtype(),
-                        reduce_dtype=models.DTYPES[cfg.parallel.reduce_dtype])
+            parallelize(self.model, self.teacher.model, self.dist.mesh, param_dtype=self._fsdp_param_dtype(),
+                        reduce_dtype=models.DTYPES[cfg.parallel.reduce_dtype], teacher_offload=self.teacher.offload_shards)
         self.teacher.start()  # the EMA snapshot, of the student as sharded
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
@@ -101,7 +102,7 @@ class Trainer:
             cfg.rollout, self.model, self.tokenizer, seed=cfg.seed, max_prompt_len=cfg.data.max_prompt_len,
             compute_dtype=self.precision.compute, autocast_dtype=amp), "rollout engine start")
         self.engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it) ...
-        adam_bytes = 2 * 4 * sum(distributed.local_numel(p) for p in self.params)  # ... and room for AdamW's moments
+        adam_bytes = 2 * 4 * sum(parallel.local_numel(p) for p in self.params)  # ... and room for AdamW's moments
         self.mb_tokens, why = models.microbatch_budget(o.max_tokens_per_microbatch, models.base_model(self.model).config,
                                                        self.precision.compute, self.device, cfg.model.gradient_checkpointing,
                                                        reserve=adam_bytes)
@@ -271,7 +272,7 @@ class Trainer:
         """Clip and step. FSDP summed the gradients over ranks (the loss weights are normalized by global token
         counts); norm and loss are global, so all ranks decide alike. A non-finite loss or gradient skips the
         update but still consumes the batch and advances the LR schedule (same data order and schedule)."""
-        grad_norm = distributed.clip_grad_norm(self.params, self.cfg.optim.grad_clip or float("inf"))
+        grad_norm = parallel.clip_grad_norm(self.params, self.cfg.optim.grad_clip or float("inf"))
         loss_sum = all_reduce_sum(loss_sum)
         finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))
         if finite:

@@ -18,7 +18,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from opsd import checkpoint as C
 from opsd import distributed as D
+from opsd import parallel as P
+from opsd.data import batching
 from opsd.errors import UserError
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -143,7 +146,7 @@ def _accumulate(model, teacher, mbs: list) -> None:
         "external", model, lora=False, external=teacher)
 
     def loss_fn(s_hidden, t_hidden, t_head, mb, adv):
-        return _loss(s_hidden, D.full_head_weight(model), t_hidden, t_head, mb.weights, mb.targets), LossStats()
+        return _loss(s_hidden, P.full_head_weight(model), t_hidden, t_head, mb.weights, mb.targets), LossStats()
 
     forward_backward(model, fixed, mbs, loss_fn)
 
@@ -169,7 +172,7 @@ def _step(model, teacher, opt, mbs: list, grads: list | None = None) -> float:
     _accumulate(model, teacher, mbs)
     if grads is not None:
         grads.append(_full_grads(model))
-    norm = D.clip_grad_norm(_trainable(model), 1.0)
+    norm = P.clip_grad_norm(_trainable(model), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return float(norm)
@@ -186,7 +189,7 @@ def _rank_batches(step: int, rank: int, counts: tuple[int, ...]) -> list:
     totals = D.all_reduce_sum(
         torch.tensor([sum(s.response_len for s in mine), len(mine)], dtype=torch.float64)
     )
-    return D.pad_microbatches(_microbatches(mine, *totals.tolist()), pad_id=0, device="cpu")
+    return batching.pad_microbatches(_microbatches(mine, *totals.tolist()), pad_id=0, device="cpu")
 
 
 def _union_batches(step: int, counts: tuple[int, ...]) -> list:
@@ -199,16 +202,16 @@ def _run_equivalence(d: D.Dist, variant: str, plan: list[tuple[int, ...]]) -> No
     teacher = None
     if variant == "full":
         teacher = copy.deepcopy(model).requires_grad_(False).eval()
-        D.shard_model(teacher, d.mesh, param_dtype=None)
-    D.shard_model(model, d.mesh, param_dtype=None)
+        P.shard_model(teacher, d.mesh, param_dtype=None)
+    P.shard_model(model, d.mesh, param_dtype=None)
     opt = _optimizer(model)
     norms, grads = [], []
     for step, counts in enumerate(plan):
         mbs = _rank_batches(step, d.rank, counts)
         assert len(mbs) == max(counts), "padding did not bring every rank to the same count"
         norms.append(_step(model, teacher, opt, mbs, grads))
-    got = D.gather_full_state_dict(model)
-    got_teacher = D.gather_full_state_dict(teacher) if teacher is not None else None
+    got = C.gather_full_state_dict(model)
+    got_teacher = C.gather_full_state_dict(teacher) if teacher is not None else None
     if d.rank != 0:
         return
     ref = _model(variant)
@@ -261,17 +264,17 @@ def _run_equivalence(d: D.Dist, variant: str, plan: list[tuple[int, ...]]) -> No
 def _bf16_lora_step(d: D.Dist) -> None:
     """bf16 base weights, fp32 adapters (peft's default), bf16 compute, fp32 reduction: gradients reach
     the fp32 adapters although the first forward of the step is the adapter-disabled teacher's."""
-    model = D.shard_model(_model("lora", dtype=torch.bfloat16), d.mesh, param_dtype=torch.bfloat16)
+    model = P.shard_model(_model("lora", dtype=torch.bfloat16), d.mesh, param_dtype=torch.bfloat16)
     lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert lora and all(p.dtype == torch.float32 for p in lora.values())
     before = {n: p.detach().full_tensor().clone() for n, p in lora.items()}
     _accumulate(model, None, _rank_batches(0, d.rank, PLAN[0]))
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora.values())
-    norm = float(D.clip_grad_norm(_trainable(model), 1e-6))  # clipping the sharded gradients
+    norm = float(P.clip_grad_norm(_trainable(model), 1e-6))  # clipping the sharded gradients
     assert 1e-6 < norm < float("inf")
     # torch scales by max_norm / (norm + 1e-6), so the clipped norm falls 1e-6 * 1e-6 / norm short of 1e-6:
     # 7.7e-10 at this norm (1.3e-3; float32 rounding adds ~1e-13). 1e-8 (1%) holds for norms >= 1e-4.
-    assert abs(float(D.clip_grad_norm(_trainable(model), float("inf"))) - 1e-6) < 1e-8
+    assert abs(float(P.clip_grad_norm(_trainable(model), float("inf"))) - 1e-6) < 1e-8
     _optimizer(model).step()
     assert any(not torch.equal(p.detach().full_tensor(), before[n]) for n, p in lora.items())
     # Sampling through the sharded model: ranks stop at different lengths, synced_gpus keeps the
@@ -322,7 +325,7 @@ def test_hsdp_two_by_two_steps_equal_one_rank_on_the_union_batch():
 def _full_state(model, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    if not D.is_sharded(model):
+    if not P.is_sharded(model):
         return {
             "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "optim": get_state_dict(model, opt)[1],
@@ -345,9 +348,9 @@ def _dcp_worker(d: D.Dist, root: str) -> None:
     for variant in ("lora", "full"):
         # 1 -> 2: a checkpoint written by one process without a process group loads on two ranks.
         model = _fresh(variant)
-        D.shard_model(model, d.mesh, param_dtype=None)
+        P.shard_model(model, d.mesh, param_dtype=None)
         opt = _optimizer(model)
-        loaded = D.load_distributed(root_p / variant / "one", model, opt)
+        loaded = C.load_distributed(root_p / variant / "one", model, opt)
         assert loaded.saved_world_size == 1 and loaded.shared_state["step"] == 1
         assert (loaded.rank_state or {}).get("rank") == (0 if d.rank == 0 else None)
         state = _full_state(model, opt)
@@ -360,7 +363,7 @@ def _dcp_worker(d: D.Dist, root: str) -> None:
             opt,
             _rank_batches(1, d.rank, PLAN[0]),
         )
-        D.save_distributed(
+        C.save_distributed(
             root_p / variant / "two",
             model,
             opt,
@@ -373,20 +376,20 @@ def _dcp_worker(d: D.Dist, root: str) -> None:
 
         # 2 -> 2, into a fresh model and optimizer.
         model = _fresh(variant)
-        D.shard_model(model, d.mesh, param_dtype=None)
+        P.shard_model(model, d.mesh, param_dtype=None)
         opt = _optimizer(model)
-        loaded = D.load_distributed(root_p / variant / "two", model, opt)
+        loaded = C.load_distributed(root_p / variant / "two", model, opt)
         assert loaded.rank_state["rank"] == d.rank and loaded.saved_world_size == 2
         got = _full_state(model, opt)
         if d.rank == 0:
             _assert_same_state(got, state)
 
     # Full weights for an export (rank 0), for every rank, and streamed one tensor at a time.
-    everywhere = D.gather_full_state_dict(model, all_ranks=True)
-    streamed = dict(D.iter_full_tensors(model))
+    everywhere = C.gather_full_state_dict(model, all_ranks=True)
+    streamed = dict(C.iter_full_tensors(model))
     # exact: the same shards gathered three ways
     torch.testing.assert_close(streamed, everywhere, rtol=0, atol=0)
-    on_rank0 = D.gather_full_state_dict(model)
+    on_rank0 = C.gather_full_state_dict(model)
     if d.rank == 0:
         torch.testing.assert_close(on_rank0, {k: v.cpu() for k, v in everywhere.items()}, rtol=0, atol=0)
         assert "lm_head.weight" in on_rank0
@@ -398,14 +401,14 @@ def _dcp_worker(d: D.Dist, root: str) -> None:
         raise OSError("disk full while exporting")
 
     with pytest.raises((OSError, D.PeerError), match="disk full while exporting"):
-        D.save_distributed(root_p / "failed", model, opt, {}, {"step": 3}, export=export)
+        C.save_distributed(root_p / "failed", model, opt, {}, {"step": 3}, export=export)
     assert not (root_p / "failed").exists()
     assert d.rank != 0 or not (root_p / ".tmp-failed").exists()  # rank 0 removes it as it raises
 
 
 def _frozen_copy(d: D.Dist, variant: str):
     teacher = _model(variant).requires_grad_(False).eval()
-    return D.shard_model(teacher, d.mesh, param_dtype=None)
+    return P.shard_model(teacher, d.mesh, param_dtype=None)
 
 
 @pytest.mark.slow
@@ -424,7 +427,7 @@ def test_distributed_checkpoint_reshards_between_one_and_two_ranks(tmp_path, no_
             opt,
             _union_batches(0, PLAN[0]),
         )
-        D.save_distributed(
+        C.save_distributed(
             tmp_path / variant / "one", model, opt, {"rank": 0, "rng": rng_state()}, {"step": 1}
         )
         torch.save(_full_state(model, opt), tmp_path / variant / "one.pt")
@@ -435,7 +438,7 @@ def test_distributed_checkpoint_reshards_between_one_and_two_ranks(tmp_path, no_
     for variant in ("lora", "full"):  # 2 -> 1
         model = _fresh(variant)
         opt = _optimizer(model)
-        loaded = D.load_distributed(tmp_path / variant / "two", model, opt)
+        loaded = C.load_distributed(tmp_path / variant / "two", model, opt)
         assert loaded.rank_state["rank"] == 0 and loaded.shared_state["cursor"] == {"epoch": 0, "pos": [1, 2]}
         _assert_same_state(
             _full_state(model, opt), torch.load(tmp_path / variant / "two.pt", weights_only=True)
@@ -493,8 +496,8 @@ def test_one_process_without_torchrun_is_unchanged(no_torchrun, tiny_tokenizer):
 
     model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1)
     ids, mask, pos = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), torch.tensor([1])
-    assert torch.equal(D.forward_hidden(model, ids, mask, pos), final_hidden(model, ids, mask, pos))
-    assert D.full_head_weight(model) is head_weight(model)
+    assert torch.equal(P.forward_hidden(model, ids, mask, pos), final_hidden(model, ids, mask, pos))
+    assert P.full_head_weight(model) is head_weight(model)
 
 
 def test_partial_torchrun_environment_is_a_user_error(monkeypatch):
@@ -508,10 +511,10 @@ def test_partial_torchrun_environment_is_a_user_error(monkeypatch):
 def test_checkpoint_extra_state_must_be_plain_data(tmp_path, no_torchrun, tiny_tokenizer):
     model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1)
     with pytest.raises(TypeError, match="shared_state must hold only tensors and plain data"):
-        D.save_distributed(tmp_path / "step_000001", model, None, {}, {"bad": object()})
+        C.save_distributed(tmp_path / "step_000001", model, None, {}, {"bad": object()})
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(UserError, match="not a distributed checkpoint"):
-        D.load_distributed(tmp_path / "missing", model, None)
+        C.load_distributed(tmp_path / "missing", model, None)
 
 
 # --- the vLLM engine's tensor-parallel group, against the fake vllm of tests/test_rollout.py -------

@@ -8,7 +8,7 @@ import torch
 from test_rollout import _vllm_engine, fake_vllm  # noqa: F401  (fake_vllm is a fixture)
 from test_trainer import build_assets, make_cfg
 
-from opsd import Trainer, distributed, models
+from opsd import Trainer, distributed, models, parallel
 from opsd.teacher import Teacher
 
 
@@ -87,7 +87,7 @@ def test_a_torch_without_sum_reductions_is_one_line_before_sharding(tiny_model, 
 
     monkeypatch.delattr(FSDPModule, "set_force_sum_reduction_for_comms")
     with pytest.raises(UserError, match="lacks FSDPModule.set_force_sum_reduction_for_comms"):
-        distributed.shard_model(tiny_model, mesh=None, param_dtype=None)
+        parallel.shard_model(tiny_model, mesh=None, param_dtype=None)
 
 
 def test_merged_export_streams_shards_and_loads_as_the_merged_model(tiny_model, tiny_tokenizer, tmp_path,

@@ -221,7 +221,7 @@ def _bf16_worker(d, paths: dict, root: str) -> None:
     from torch.distributed.tensor import DTensor
 
     import opsd.trainer
-    from opsd.distributed import gather_full_state_dict
+    from opsd.checkpoint import gather_full_state_dict
 
     opsd.trainer.make_engine = ScriptedEngine  # the same tokens on both ranks' runs, many embedding rows
     full = Trainer(make_cfg(paths, Path(root) / "full", **{**FULL_FT, "model.dtype": "bfloat16"}), dist=d)
@@ -258,7 +258,7 @@ def _generation_worker(d, root: str) -> None:
     """Rank r generates for its own prompts through the sharded model; counts FSDP's all-gathers."""
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
 
-    from opsd.distributed import shard_model
+    from opsd.parallel import shard_model
     from opsd.rollout import HFEngine, SamplingParams
     from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 

@@ -232,3 +232,37 @@ def _microbatch(
         teacher_real_tokens=sum(len(s.teacher_ids) for s in mb),
         teacher_padded_tokens=t_ids.numel(),
     )
+
+
+def zero_weight_microbatch(pad_id: int, device: torch.device | str) -> MicroBatch:
+    """A two-token micro-batch whose one response token weighs 0: runs the collectives, adds nothing."""
+    dev = torch.device(device)
+    ids = torch.full((1, 2), pad_id, dtype=torch.long, device=dev)
+    mask = torch.ones_like(ids)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
+    return MicroBatch(
+        student_ids=ids,
+        student_mask=mask,
+        student_pos=pos,
+        teacher_ids=ids,
+        teacher_mask=mask,
+        teacher_pos=pos,
+        targets=torch.full((1,), pad_id, dtype=torch.long, device=dev),
+        weights=torch.zeros(1, dtype=torch.float32, device=dev),
+        rollout_logprobs=None,
+        response_lens=[1],
+        sample_indices=[],
+        student_real_tokens=0,
+        student_padded_tokens=2,
+        teacher_real_tokens=0,
+        teacher_padded_tokens=2,
+    )
+
+
+def pad_microbatches(mbs: list[MicroBatch], pad_id: int, device: torch.device | str) -> list[MicroBatch]:
+    """This rank's micro-batches plus zero-weight ones, up to the largest count on any rank (FSDP's
+    collectives must match)."""
+    from opsd.distributed import agree_count
+
+    n = agree_count(len(mbs))
+    return mbs + [zero_weight_microbatch(pad_id, device) for _ in range(n - len(mbs))]
