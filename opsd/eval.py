@@ -601,8 +601,9 @@ def run_eval(args: argparse.Namespace) -> int:
 def evaluate_sharded(model, tokenizer, examples: list[Example], *, rank: int, world: int, k: int, **kw) -> EvalResult:
     """:func:`evaluate_model` with the examples split over data-parallel ranks and the counts summed.
 
-    Each rank grades an equal share, topped up with uncounted repeats (sharded generation must run
-    in step on every rank); the returned result's figures are global, its ``items`` this rank's.
+    Each rank grades an equal share, topped up with uncounted repeats (under FSDP every rank must call
+    ``generate`` as often as the others: the weights are gathered around each call); the returned
+    result's figures are global, its ``items`` this rank's.
     """
     from dataclasses import replace
 
