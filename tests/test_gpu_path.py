@@ -180,3 +180,19 @@ def test_gpu_step_bench_dry_runs_on_the_cpu():
                          capture_output=True, text=True, timeout=600, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| lora |" in res.stdout and "| full fsdp |" in res.stdout, res.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_gpu_trainer_bench_dry_runs_on_the_cpu():
+    """bench/gpu_trainer.py --tiny: the whole Trainer (HF rollouts, teacher, loss, AdamW, a checkpoint and an
+    exact resume) for LoRA and full fine-tuning, and `torchrun -m opsd train` on 2 gloo ranks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    res = subprocess.run([sys.executable, str(root / "bench" / "gpu_trainer.py"), "--tiny"],
+                         capture_output=True, text=True, timeout=600, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for row in ("| lora, 1 process | 3 |", "| full, 1 process | 3 |", "| lora, 2 processes | 3 |"):
+        assert row in res.stdout, res.stdout[-3000:]
