@@ -8,7 +8,8 @@ random weights (saved to a temporary directory), a word-level tokenizer whose vo
 model's (every sampled id decodes), and synthetic problems whose prompts have realistic lengths.
 
 It prints, per setup, the trainer's own step metrics (phase times, response tokens/s, peak GPU
-memory, the loss's share of the step), averaged over the steps after the first. Stops starting new
+memory allocated, and reserved where one process ran it, the loss's share of the step), averaged
+over the steps after the first. Stops starting new
 setups after 7 minutes and says which it skipped.
 
     python bench/gpu_trainer.py          # CUDA; after `pip install -e .`, nothing else
@@ -101,13 +102,18 @@ def run_setup(assets: dict, tmp: Path, setup: str, lengths: dict, steps: int, np
     cfg = config(assets, run_dir, setup, lengths, steps, device)
     path = tmp / f"{setup}-{nproc}.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    reserved = None
     if nproc == 1:
         from opsd import Trainer, load_config
 
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
         Trainer(load_config(path)).train(until_step=steps - 1)
         resumed = Trainer(load_config(path), resume=True)
         assert resumed.step_num == steps - 1, resumed.step_num
         resumed.train()
+        if torch.cuda.is_available():  # what the caching allocator held at its peak, over both trainers
+            reserved = torch.cuda.max_memory_reserved() / 2**30
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "-m", "opsd", "train", "--config", str(path)]
@@ -122,16 +128,18 @@ def run_setup(assets: dict, tmp: Path, setup: str, lengths: dict, steps: int, np
     tokens = statistics.mean(r["tokens"] for r in measured)
     return {"setup": f"{setup}, {nproc} process{'es' if nproc > 1 else ''}", "steps": len(recs), "step_s": step_s,
             **times, "tok_s": tokens / step_s, "peak_gb": max(r.get("peak_mem_gb") or 0.0 for r in measured),
-            "loss_share": times["loss"] / step_s}
+            "reserved_gb": reserved, "loss_share": times["loss"] / step_s}
 
 
 def render(rows: list[dict], skipped: list[str], machine: str) -> str:
     out = [machine, "", "| setup | steps | step s | rollout s | teacher s | student s | loss s | optim s | "
-           "response tok/s | peak memory GB | loss share |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "response tok/s | peak allocated GB | peak reserved GB | loss share |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        reserved = "-" if r["reserved_gb"] is None else f"{r['reserved_gb']:.1f}"
         out.append(f"| {r['setup']} | {r['steps']} | {r['step_s']:.2f} | {r['rollout']:.2f} | {r['teacher']:.2f} | "
                    f"{r['student']:.2f} | {r['loss']:.2f} | {r['optim']:.2f} | {r['tok_s']:.0f} | "
-                   f"{r['peak_gb']:.1f} | {r['loss_share']:.0%} |")
+                   f"{r['peak_gb']:.1f} | {reserved} | {r['loss_share']:.0%} |")
     if skipped:
         out += ["", f"Skipped (time budget): {', '.join(skipped)}."]
     return "\n".join(out)
