@@ -469,7 +469,9 @@ def write_merged(model: nn.Module, tokenizer, out: Path, *, shard_bytes: int = M
         full = t.full_tensor() if isinstance(t, DTensor) else t
         if rank != 0:
             continue
-        full = full.detach().to("cpu").clone()  # its own storage: tied weights share theirs
+        full = full.detach().to("cpu")
+        if any(full.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in shard.values()):
+            full = full.clone()  # tied weights share storage, which one safetensors file cannot hold
         if shard and size + full.nbytes > shard_bytes:
             write()
         shard[name] = full

@@ -130,11 +130,6 @@ def autocast(precision: Precision, device: torch.device) -> AbstractContextManag
     return torch.autocast(device.type, dtype=precision.compute)
 
 
-def no_autocast(device: torch.device) -> AbstractContextManager:
-    """Around the loss kernels: their products must stay in the dtype they choose (float32)."""
-    return torch.autocast(device.type, enabled=False)
-
-
 def loss_matmul_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
     """The fused loss's matrix products: bf16 inputs accumulated into float32 logits (two bf16
     products each, ~2^-17 relative: :func:`opsd.loss.fused._logits_bf16`) if and only if the model

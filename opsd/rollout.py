@@ -35,6 +35,7 @@ from transformers.generation.logits_process import (
 from opsd.errors import UserError
 from opsd.models import merged_weight_names, merged_weights
 from opsd.parallel import gathered
+from opsd.precision import dtype_name
 
 if TYPE_CHECKING:
     from opsd.config import RolloutConfig
@@ -618,12 +619,6 @@ class VLLMEngine:
         return comps
 
 
-def _vllm_dtype(setting: str, compute: torch.dtype | None) -> str:
-    if setting != "auto" or compute is None:
-        return setting
-    return str(compute).removeprefix("torch.")
-
-
 def make_engine(
     rollout: RolloutConfig,
     model,
@@ -655,7 +650,7 @@ def make_engine(
             model_path=model_path,
             tensor_parallel_size=rollout.tensor_parallel_size,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
-            dtype=_vllm_dtype(rollout.vllm_dtype, compute_dtype),
+            dtype=dtype_name(compute_dtype) if rollout.vllm_dtype == "auto" and compute_dtype else rollout.vllm_dtype,
             max_model_len=max_len,
             max_num_seqs=rollout.batch_size,
             sleep_level=rollout.vllm_sleep_level,

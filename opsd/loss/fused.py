@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opsd.loss.reference import autocast_off, compute_dtype
+from opsd.loss.reference import compute_dtype, kernel_precision
 from opsd.loss.spec import DistillSpec, LossStats
 
 
@@ -288,7 +288,7 @@ def _logits_bf16(h: Tensor, w: Tensor) -> Tensor:
     return hi.float().add_(lo)
 
 
-@autocast_off
+@kernel_precision
 def fused_linear_distill(
     student_hidden: Tensor,
     student_weight: Tensor,
@@ -331,20 +331,6 @@ def fused_linear_distill(
     the loss computes anyway: the rollout log-prob check without a second head product.
     """
     _check_shapes(student_hidden, student_weight, teacher_hidden, teacher_weight, weights, targets, spec)
-    if student_hidden.device.type == "cuda":  # bf16 products accumulate in float32, not in bf16
-        prev = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        try:
-            return _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, weights,
-                                         targets, spec, chunk_size, with_stats, matmul_dtype, target_logprobs)
-        finally:
-            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
-    return _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, weights, targets,
-                                 spec, chunk_size, with_stats, matmul_dtype, target_logprobs)
-
-
-def _fused_linear_distill(student_hidden, student_weight, teacher_hidden, teacher_weight, weights, targets, spec,
-                          chunk_size, with_stats, matmul_dtype, target_logprobs=None):
     if matmul_dtype not in (None, torch.bfloat16):
         raise ValueError(f"matmul_dtype must be None or torch.bfloat16, got {matmul_dtype}")
     n, h = student_hidden.shape

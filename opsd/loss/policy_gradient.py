@@ -14,11 +14,11 @@ import torch
 from torch import Tensor
 
 from opsd.loss.fused import _grad_sampled, _PrecomputedGrad, auto_chunk_size
-from opsd.loss.reference import autocast_off, compute_dtype
+from opsd.loss.reference import compute_dtype, kernel_precision
 from opsd.loss.spec import LossStats
 
 
-@autocast_off
+@kernel_precision
 def fused_linear_policy_gradient(
     hidden: Tensor, weight: Tensor, targets: Tensor, coef: Tensor, *, temperature: float = 1.0,
     chunk_size: int | None = None,
@@ -67,7 +67,7 @@ def fused_linear_policy_gradient(
 
 
 @torch.no_grad()
-@autocast_off
+@kernel_precision
 def token_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
 ) -> Tensor:

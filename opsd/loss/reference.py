@@ -19,14 +19,23 @@ from opsd.loss.spec import DistillSpec
 F = TypeVar("F", bound=Callable)
 
 
-def autocast_off(fn: F) -> F:
-    """Run a kernel with autocast disabled on its first argument's device: under a bf16 autocast
-    (one process's mixed precision) its products must stay in the dtype the kernel chooses."""
+def kernel_precision(fn: F) -> F:
+    """Run a loss kernel in the precision it chooses itself, on its first argument's device: autocast
+    off (one process's bf16 mixed precision must not turn its products into bf16 ones), and on CUDA
+    bf16 products accumulated in float32 rather than with reduced-precision reductions."""
 
     @functools.wraps(fn)
     def wrapper(first: Tensor, *args, **kwargs):
-        with torch.autocast(first.device.type, enabled=False):
-            return fn(first, *args, **kwargs)
+        cuda = first.device.type == "cuda"
+        prev = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction if cuda else None
+        try:
+            if cuda:
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            with torch.autocast(first.device.type, enabled=False):
+                return fn(first, *args, **kwargs)
+        finally:
+            if cuda:
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
 
     return wrapper  # type: ignore[return-value]
 
