@@ -100,8 +100,8 @@ def main() -> None:
     good = args.runs - len(bad)
     body = (
         f"`python bench/torchrun_exits.py --runs {args.runs}`: two-rank `torchrun -m opsd train` (tiny model, "
-        f"gloo, 3 steps, 2 checkpoints) **{good} of {args.runs} runs exited 0 with no traceback or abort**; "
-        f"{wall:.0f} s in all.\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, torch "
+        f"gloo, 3 steps, 2 checkpoints) **{good} of {args.runs} runs exited 0 with no traceback or abort** "
+        f"({wall:.0f} s in all: a count, not a timing).\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, torch "
         f"{__import__('torch').__version__}. 1-minute load before {load_before:.2f}, after {load_after:.2f} "
         "(a reliability count, not a timing: load does not invalidate it).\n"
     )
