@@ -129,7 +129,9 @@ def _step(model, teacher, opt, mbs: list, spec, timer) -> None:
     from opsd.trainer import forward_backward
 
     def loss_fn(sh, th, tw, mb, adv):
-        return fused_linear_distill(sh, parallel.full_head_weight(model), th, tw, mb.weights, mb.targets, spec)
+        return fused_linear_distill(
+            sh, parallel.full_head_weight(model), th, tw, mb.weights, mb.targets, spec
+        )
 
     forward_backward(model, teacher, mbs, loss_fn, timer=timer)
     with timer("optimizer"):

@@ -51,8 +51,13 @@ def build_tokenizer(vocab_size: int):
     vocab = {tok: i for i, tok in enumerate([*words, *specials])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", additional_special_tokens=list(CHATML_SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(CHATML_SPECIAL_TOKENS),
+    )
     fast.chat_template = CHATML_TEMPLATE
     return fast
 
@@ -63,8 +68,10 @@ def write_assets(root: Path, shape: dict, lengths: dict, rows: int = 64) -> dict
 
     tok = build_tokenizer(shape["vocab_size"])
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3Config(**shape, eos_token_id=tok.eos_token_id,
-                                                         pad_token_id=tok.pad_token_id), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        Qwen3Config(**shape, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+        dtype=torch.float32,
+    )
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     del model
@@ -75,7 +82,10 @@ def write_assets(root: Path, shape: dict, lengths: dict, rows: int = 64) -> dict
         return " ".join(f"w{int(i)}" for i in torch.randint(0, words, (n,), generator=g))
 
     solution_len = max(1, lengths["teacher_prompt"] - lengths["prompt"])
-    data = [{"problem": text(lengths["prompt"]), "solution": text(solution_len), "answer": "w1"} for _ in range(rows)]
+    data = [
+        {"problem": text(lengths["prompt"]), "solution": text(solution_len), "answer": "w1"}
+        for _ in range(rows)
+    ]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
     return {"model": str(root / "model"), "data": str(root / "train.jsonl")}
 
@@ -83,19 +93,34 @@ def write_assets(root: Path, shape: dict, lengths: dict, rows: int = 64) -> dict
 def config(assets: dict, run_dir: Path, setup: str, lengths: dict, steps: int, device: str) -> dict:
     return {
         "device": device,
-        "model": {"path": assets["model"], "dtype": "auto", "lora": {"enabled": setup == "lora", "r": 64, "alpha": 128}},
+        "model": {
+            "path": assets["model"],
+            "dtype": "auto",
+            "lora": {"enabled": setup == "lora", "r": 64, "alpha": 128},
+        },
         "teacher": {"frozen_copy": "device"},
-        "data": {"path": assets["data"], "max_prompt_len": lengths["prompt"] + 64,
-                 "max_teacher_prompt_len": lengths["teacher_prompt"] + 128},
-        "rollout": {"engine": "hf", "prompts_per_step": 8, "n": 1, "max_new_tokens": lengths["response"],
-                    "temperature": 1.1, "batch_size": 8},
+        "data": {
+            "path": assets["data"],
+            "max_prompt_len": lengths["prompt"] + 64,
+            "max_teacher_prompt_len": lengths["teacher_prompt"] + 128,
+        },
+        "rollout": {
+            "engine": "hf",
+            "prompts_per_step": 8,
+            "n": 1,
+            "max_new_tokens": lengths["response"],
+            "temperature": 1.1,
+            "batch_size": 8,
+        },
         "optim": {"lr": 5e-6, "max_steps": steps},
         "checkpoint": {"every": steps - 1, "keep_last": 1},
         "logging": {"run_dir": str(run_dir), "progress": False, "sample_every": 0, "step_lines": False},
     }
 
 
-def run_setup(assets: dict, tmp: Path, setup: str, lengths: dict, steps: int, nproc: int, device: str) -> dict:
+def run_setup(
+    assets: dict, tmp: Path, setup: str, lengths: dict, steps: int, nproc: int, device: str
+) -> dict:
     """``steps - 1`` steps and a checkpoint, then a resume for the last step (one process), or
     `torchrun -m opsd train` for all steps (several); the trainer's metrics come back."""
     run_dir = tmp / f"{setup}-{nproc}"
@@ -115,31 +140,57 @@ def run_setup(assets: dict, tmp: Path, setup: str, lengths: dict, steps: int, np
         if torch.cuda.is_available():  # what the caching allocator held at its peak, over both trainers
             reserved = torch.cuda.max_memory_reserved() / 2**30
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "-m", "opsd", "train", "--config", str(path)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "opsd",
+            "train",
+            "--config",
+            str(path),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         if res.returncode != 0:
             raise RuntimeError(f"torchrun failed ({res.returncode}): {res.stderr[-2000:]}")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = recs[1:] or recs
-    times = {k: statistics.mean(r.get(f"time_{k}", 0.0) for r in measured)
-             for k in ("rollout", "teacher", "student", "loss", "optim")}
+    times = {
+        k: statistics.mean(r.get(f"time_{k}", 0.0) for r in measured)
+        for k in ("rollout", "teacher", "student", "loss", "optim")
+    }
     step_s = statistics.mean(r["time_step"] for r in measured)
     tokens = statistics.mean(r["tokens"] for r in measured)
-    return {"setup": f"{setup}, {nproc} process{'es' if nproc > 1 else ''}", "steps": len(recs), "step_s": step_s,
-            **times, "tok_s": tokens / step_s, "peak_gb": max(r.get("peak_mem_gb") or 0.0 for r in measured),
-            "reserved_gb": reserved, "loss_share": times["loss"] / step_s}
+    return {
+        "setup": f"{setup}, {nproc} process{'es' if nproc > 1 else ''}",
+        "steps": len(recs),
+        "step_s": step_s,
+        **times,
+        "tok_s": tokens / step_s,
+        "peak_gb": max(r.get("peak_mem_gb") or 0.0 for r in measured),
+        "reserved_gb": reserved,
+        "loss_share": times["loss"] / step_s,
+    }
 
 
 def render(rows: list[dict], skipped: list[str], machine: str) -> str:
-    out = [machine, "", "| setup | steps | step s | rollout s | teacher s | student s | loss s | optim s | "
-           "response tok/s | peak allocated GB | peak reserved GB | loss share |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        machine,
+        "",
+        "| setup | steps | step s | rollout s | teacher s | student s | loss s | optim s | "
+        "response tok/s | peak allocated GB | peak reserved GB | loss share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         reserved = "-" if r["reserved_gb"] is None else f"{r['reserved_gb']:.1f}"
-        out.append(f"| {r['setup']} | {r['steps']} | {r['step_s']:.2f} | {r['rollout']:.2f} | {r['teacher']:.2f} | "
-                   f"{r['student']:.2f} | {r['loss']:.2f} | {r['optim']:.2f} | {r['tok_s']:.0f} | "
-                   f"{r['peak_gb']:.1f} | {reserved} | {r['loss_share']:.0%} |")
+        out.append(
+            f"| {r['setup']} | {r['steps']} | {r['step_s']:.2f} | {r['rollout']:.2f} | {r['teacher']:.2f} | "
+            f"{r['student']:.2f} | {r['loss']:.2f} | {r['optim']:.2f} | {r['tok_s']:.0f} | "
+            f"{r['peak_gb']:.1f} | {reserved} | {r['loss_share']:.0%} |"
+        )
     if skipped:
         out += ["", f"Skipped (time budget): {', '.join(skipped)}."]
     return "\n".join(out)
@@ -171,7 +222,8 @@ def main() -> int:
             if cuda:
                 torch.cuda.empty_cache()
     machine = (f"{torch.cuda.get_device_name(0)} x{gpus}" if cuda else "CPU (--tiny)") + (
-        f"; torch {torch.__version__}; {time.perf_counter() - start:.0f} s in all")
+        f"; torch {torch.__version__}; {time.perf_counter() - start:.0f} s in all"
+    )
     print(render(rows, skipped, machine))
     return 0
 

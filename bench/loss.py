@@ -137,8 +137,13 @@ def machine(device: str) -> str:
             (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
             platform.processor(),
         )
-    load = ", load average at the end {:.1f}/{:.1f}/{:.1f} (above {} means other jobs shared the cores)".format(
-        *os.getloadavg(), os.cpu_count()) if device == "cpu" else ""
+    load = (
+        ", load average at the end {:.1f}/{:.1f}/{:.1f} (above {} means other jobs shared the cores)".format(
+            *os.getloadavg(), os.cpu_count()
+        )
+        if device == "cpu"
+        else ""
+    )
     return (
         f"{name}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, Python {platform.python_version()}{load}"
@@ -148,7 +153,9 @@ def machine(device: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="SmolLM2 shape, N=256 and 1024 only; no file written")
+    ap.add_argument(
+        "--quick", action="store_true", help="SmolLM2 shape, N=256 and 1024 only; no file written"
+    )
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--ns", nargs="*", type=int, default=list(NS))
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"))
@@ -174,19 +181,25 @@ def main() -> None:
                 if r is not None and args.device == "cpu":
                     # Memory in its own run with glibc's mmap threshold pinned: freed blocks go back
                     # to the OS, so peak RSS is the live high-water mark, not allocator caching.
-                    m = _spawn(dict(impl=impl, h=h, v=v, n=n, device=args.device, reps=1),
-                               env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+                    m = _spawn(
+                        dict(impl=impl, h=h, v=v, n=n, device=args.device, reps=1),
+                        env={"MALLOC_MMAP_THRESHOLD_": "131072"},
+                    )
                     r = {**r, "peak_mb": m["peak_mb"]} if m is not None else None
                 if r is None:
                     rows.append({"impl": impl, "h": h, "v": v, "n": n, "skipped": "failed (see console)"})
                     continue
                 r["shape"] = shape
                 rows.append(r)
-                print(f"{shape} N={n} {impl}: {r['time_s']:.3f}s peak {r['peak_mb']:.0f} MB loss {r['loss']:.6f}",
-                      flush=True)
+                print(
+                    f"{shape} N={n} {impl}: {r['time_s']:.3f}s peak {r['peak_mb']:.0f} MB loss {r['loss']:.6f}",
+                    flush=True,
+                )
     err = bf16_accuracy(args.device)
-    print(f"bf16 inputs vs the float64 oracle: relative loss error {err[0]:.2e} (float32 products), "
-          f"{err[1]:.2e} (matmul_dtype=bfloat16)")
+    print(
+        f"bf16 inputs vs the float64 oracle: relative loss error {err[0]:.2e} (float32 products), "
+        f"{err[1]:.2e} (matmul_dtype=bfloat16)"
+    )
     print(f"load average (1 min) after: {os.getloadavg()[0]:.2f}", flush=True)
     if args.quick:
         return
@@ -195,8 +208,12 @@ def main() -> None:
 
 
 def _spawn(spec: dict, env: dict | None = None) -> dict | None:
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     if out.returncode != 0:
         print(f"{spec}: FAILED {out.stderr[-500:]}", flush=True)
         return None
@@ -230,15 +247,23 @@ def render(rows: list[dict], bf16_err: tuple[float, float], device: str) -> str:
     for name, (_h, v) in SHAPES.items():
         a, b = by.get((v, 256, "opsd-chunked")), by.get((v, 4096, "opsd-chunked"))
         if a and b and "peak_mb" in a and "peak_mb" in b:
-            lines.append(f"- {name}: chunked peak at N=4096 / N=256 = {b['peak_mb'] / a['peak_mb']:.2f}x (target <= 1.2x)")
+            lines.append(
+                f"- {name}: chunked peak at N=4096 / N=256 = {b['peak_mb'] / a['peak_mb']:.2f}x (target <= 1.2x)"
+            )
         c, nv = by.get((v, 1024, "opsd-chunked")), by.get((v, 1024, "naive"))
         if c and nv and "time_s" in nv:
-            lines.append(f"- {name}: N=1024 speed-up over naive {nv['time_s'] / c['time_s']:.2f}x (target >= 2x)")
+            lines.append(
+                f"- {name}: N=1024 speed-up over naive {nv['time_s'] / c['time_s']:.2f}x (target >= 2x)"
+            )
         lg = by.get((v, 1024, "liger"))
         if c and lg and "time_s" in lg:
-            lines.append(f"- {name}: N=1024 Liger time / opsd time = {lg['time_s'] / c['time_s']:.2f}x (target >= 1x)")
-    lines.append(f"- bf16 inputs: relative loss error vs the float64 oracle on the same values = {bf16_err[0]:.1e} "
-                 "(target <= 1e-4)")
+            lines.append(
+                f"- {name}: N=1024 Liger time / opsd time = {lg['time_s'] / c['time_s']:.2f}x (target >= 1x)"
+            )
+    lines.append(
+        f"- bf16 inputs: relative loss error vs the float64 oracle on the same values = {bf16_err[0]:.1e} "
+        "(target <= 1e-4)"
+    )
     lines.append(f"- bf16 inputs with `matmul_dtype=torch.bfloat16`: {bf16_err[1]:.1e} (target <= 1e-3)")
     return "\n".join(lines)
 

@@ -91,8 +91,10 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[: args.top]:
-        lines.append(f"| `{e.key}` | {e.self_cpu_time_total / 1e6:.2f} | {100 * e.self_cpu_time_total / total_us:.1f}% "
-                     f"| {e.count} |")
+        lines.append(
+            f"| `{e.key}` | {e.self_cpu_time_total / 1e6:.2f} | {100 * e.self_cpu_time_total / total_us:.1f}% "
+            f"| {e.count} |"
+        )
     body = "\n".join(lines)
     print(body)
     if not args.no_write:

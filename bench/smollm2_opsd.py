@@ -176,7 +176,10 @@ def main() -> None:
         if not (SHARED / f).is_file():
             sys.exit(f"{SHARED / f} not found (see ../shared/data/README.md)")
     dev = resolve_device(args.device)
-    device, dtype = str(dev), dtype_name(compute_dtype(args.dtype, dev)[0])  # auto: bf16 where there are bf16 units
+    device, dtype = (
+        str(dev),
+        dtype_name(compute_dtype(args.dtype, dev)[0]),
+    )  # auto: bf16 where there are bf16 units
 
     # Data: the last --heldout rows of MATH train are held out; training draws from the rest.
     if args.out.exists():

@@ -60,13 +60,27 @@ def main() -> None:
     half = args.steps // 2
 
     def cfg(max_steps: int):
-        return load_config(None, [
-            f"model.path={tmp / 'model'}", f"data.path={tmp / 'rows.jsonl'}", f"logging.run_dir={tmp / 'run'}",
-            "data.instruction=", f"data.teacher_template={json.dumps(TEACHER_TEMPLATE)}",
-            "model.lora.enabled=false", "teacher.frozen_copy=device", "rollout.prompts_per_step=8",
-            "rollout.max_new_tokens=24", "rollout.temperature=1.0", "optim.lr=1e-4", f"optim.max_steps={max_steps}",
-            "checkpoint.every=100", "logging.progress=false", "logging.sample_every=0", "device=cpu",
-        ])
+        return load_config(
+            None,
+            [
+                f"model.path={tmp / 'model'}",
+                f"data.path={tmp / 'rows.jsonl'}",
+                f"logging.run_dir={tmp / 'run'}",
+                "data.instruction=",
+                f"data.teacher_template={json.dumps(TEACHER_TEMPLATE)}",
+                "model.lora.enabled=false",
+                "teacher.frozen_copy=device",
+                "rollout.prompts_per_step=8",
+                "rollout.max_new_tokens=24",
+                "rollout.temperature=1.0",
+                "optim.lr=1e-4",
+                f"optim.max_steps={max_steps}",
+                "checkpoint.every=100",
+                "logging.progress=false",
+                "logging.sample_every=0",
+                "device=cpu",
+            ],
+        )
 
     samples: list[tuple[int, float]] = []
     t0 = time.time()

@@ -50,8 +50,10 @@ def write_assets(root: Path) -> Path:
     model.save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
     pairs = [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 5), (6, 1)]
-    rows = [{"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}.", "answer": str(a + b)}
-            for a, b in pairs]
+    rows = [
+        {"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}.", "answer": str(a + b)}
+        for a, b in pairs
+    ]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = {
         "device": "cpu",
@@ -70,8 +72,20 @@ def write_assets(root: Path) -> Path:
 
 def one_run(config: Path, run_dir: Path) -> tuple[int, str]:
     """Exit status and combined output of one two-rank launch."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "opsd", "train", "--config", str(config), "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "opsd",
+        "train",
+        "--config",
+        str(config),
+        "--overwrite",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     return res.returncode, res.stdout + res.stderr

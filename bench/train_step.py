@@ -49,15 +49,35 @@ def bench_config(data: Path, overrides: list[str]):
     rows = [json.loads(x) for x in data.read_text().splitlines()[:32]]
     tmp = Path(tempfile.mkdtemp(prefix="opsd-bench-"))
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return load_config(None, [
-        f"model.path={model}", "model.dtype=float32", "model.lora.r=16", "model.lora.alpha=32",
-        f"data.path={tmp / 'rows.jsonl'}", "data.shuffle=false", "data.max_prompt_len=1024",
-        "data.max_teacher_prompt_len=2048",
-        "rollout.prompts_per_step=8", "rollout.n=1", "rollout.max_new_tokens=128", "rollout.temperature=1.1",
-        "loss.mode=jsd", "loss.beta=0", "loss.clip_mode=entry", "loss.clip=0.05",
-        "optim.max_steps=4", "optim.lr=5e-6", "optim.grad_clip=0.1", "checkpoint.enabled=false",
-        f"logging.run_dir={tmp / 'run'}", "logging.sample_every=0", "device=cpu", *overrides,
-    ])
+    return load_config(
+        None,
+        [
+            f"model.path={model}",
+            "model.dtype=float32",
+            "model.lora.r=16",
+            "model.lora.alpha=32",
+            f"data.path={tmp / 'rows.jsonl'}",
+            "data.shuffle=false",
+            "data.max_prompt_len=1024",
+            "data.max_teacher_prompt_len=2048",
+            "rollout.prompts_per_step=8",
+            "rollout.n=1",
+            "rollout.max_new_tokens=128",
+            "rollout.temperature=1.1",
+            "loss.mode=jsd",
+            "loss.beta=0",
+            "loss.clip_mode=entry",
+            "loss.clip=0.05",
+            "optim.max_steps=4",
+            "optim.lr=5e-6",
+            "optim.grad_clip=0.1",
+            "checkpoint.enabled=false",
+            f"logging.run_dir={tmp / 'run'}",
+            "logging.sample_every=0",
+            "device=cpu",
+            *overrides,
+        ],
+    )
 
 
 def main() -> None:
@@ -65,7 +85,9 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=MATH)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("overrides", nargs="*", help="extra config overrides, e.g. model.gradient_checkpointing=true")
+    ap.add_argument(
+        "overrides", nargs="*", help="extra config overrides, e.g. model.gradient_checkpointing=true"
+    )
     args = ap.parse_args()
 
     from opsd.trainer import Trainer
@@ -116,8 +138,10 @@ def main() -> None:
 
 
 def _machine() -> str:
-    name = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-                platform.processor())
+    name = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+        platform.processor(),
+    )
     return f"{name}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 

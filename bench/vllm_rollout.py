@@ -69,10 +69,15 @@ def main() -> int:
     for bs in args.batch_sizes:
         hf[bs] = engine_tps(HFEngine(model, tok, batch_size=bs), prompts[:bs], args.new_tokens)
         print(f"HF   batch {bs}: {hf[bs].tps:.1f} tok/s ({hf[bs].wall_s:.1f} s)", flush=True)
-    cfg = RolloutConfig(engine="vllm", batch_size=max(args.batch_sizes), vllm_kwargs={
-        "enforce_eager": True, "kv_cache_memory_bytes": 1 << 30})
+    cfg = RolloutConfig(
+        engine="vllm",
+        batch_size=max(args.batch_sizes),
+        vllm_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30},
+    )
     t0 = time.perf_counter()
-    eng = make_engine(cfg, model, tok, seed=0, max_prompt_len=max(len(p) for p in prompts), model_path=str(path))
+    eng = make_engine(
+        cfg, model, tok, seed=0, max_prompt_len=max(len(p) for p in prompts), model_path=str(path)
+    )
     start_s = time.perf_counter() - t0
     engine_tps(eng, prompts[:2], 4)  # warm-up
     vl: dict[int, Timing] = {}
@@ -94,8 +99,10 @@ def main() -> int:
         "| batch | HF engine tok/s | vLLM-CPU tok/s | vLLM / HF |",
         "|---|---|---|---|",
     ]
-    lines += [f"| {bs} | {hf[bs].tps:.1f} | {vl[bs].tps:.1f} | {vl[bs].tps / hf[bs].tps:.2f}x |"
-              for bs in args.batch_sizes]
+    lines += [
+        f"| {bs} | {hf[bs].tps:.1f} | {vl[bs].tps:.1f} | {vl[bs].tps / hf[bs].tps:.2f}x |"
+        for bs in args.batch_sizes
+    ]
     body = "\n".join(lines)
     print(body)
     if not args.quick:

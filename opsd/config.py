@@ -118,8 +118,13 @@ class LossConfig(_Section):
     def to_spec(self, rollout_temperature: float) -> DistillSpec:
         """The loss's spec; the temperature defaults to the rollout's sampling one (1.0 for greedy)."""
         return DistillSpec(
-            mode=self.mode, beta=self.beta, temperature=self.temperature or rollout_temperature or 1.0,
-            clip_mode=self.clip_mode, clip=self.clip, topk=self.topk, reduction=self.reduction,
+            mode=self.mode,
+            beta=self.beta,
+            temperature=self.temperature or rollout_temperature or 1.0,
+            clip_mode=self.clip_mode,
+            clip=self.clip,
+            topk=self.topk,
+            reduction=self.reduction,
         )
 
 
@@ -137,8 +142,12 @@ class TeacherConfig(_Section):
 class ParallelConfig(_Section):
     """How `opsd train` spreads over the processes torchrun starts; one process without torchrun ignores it."""
 
-    replicate: int = Field(1, ge=1)  # HSDP: shard within world_size/replicate ranks (a node), replicate across
-    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # compute dtype of gathered weights; auto: model.dtype's
+    replicate: int = Field(
+        1, ge=1
+    )  # HSDP: shard within world_size/replicate ranks (a node), replicate across
+    param_dtype: Literal["auto", "float32", "bfloat16"] = (
+        "auto"  # compute dtype of gathered weights; auto: model.dtype's
+    )
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are summed over ranks in
     timeout_s: int | None = Field(None, ge=1)  # a collective waiting longer fails; None: torch's default
 
@@ -220,7 +229,9 @@ class Config(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> Config:
         if not self.data.path:
-            raise ValueError("data.path is required: a JSONL/JSON/Parquet/CSV file, a saved dataset dir or a hub name")
+            raise ValueError(
+                "data.path is required: a JSONL/JSON/Parquet/CSV file, a saved dataset dir or a hub name"
+            )
         t, lora = self.teacher, self.model.lora.enabled
         if t.mode == "fixed" and not lora and t.frozen_copy == "none":
             raise ValueError(
@@ -236,9 +247,13 @@ class Config(_Section):
             if self.rollout.n < 2:
                 raise ValueError("objective=grpo needs rollout.n >= 2 (advantages are relative to a group)")
             if not self.data.answer_key:
-                raise ValueError("objective=grpo needs data.answer_key (the field the reward is graded against)")
+                raise ValueError(
+                    "objective=grpo needs data.answer_key (the field the reward is graded against)"
+                )
         elif t.privileged and self.data.solution_key is None:
-            raise ValueError("teacher.privileged=true needs data.solution_key (the field holding the reference solution)")
+            raise ValueError(
+                "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
+            )
         lc = self.loss
         if lc.mode == "topk" and lc.topk < 1:
             raise ValueError("loss.mode=topk needs loss.topk >= 1")
@@ -246,17 +261,20 @@ class Config(_Section):
             raise ValueError("loss.mode=sampled needs loss.clip_mode=none (it has no per-entry divergence)")
         r = self.rollout
         if r.engine == "vllm_server":
-            raise ValueError("rollout.engine=vllm_server (a separate `vllm serve` fleet) is not built yet; use "
-                             "rollout.engine=vllm (one colocated engine per trainer rank) or hf")
+            raise ValueError(
+                "rollout.engine=vllm_server (a separate `vllm serve` fleet) is not built yet; use "
+                "rollout.engine=vllm (one colocated engine per trainer rank) or hf"
+            )
         if r.logprob_check is True and not r.plain_sampling():
-            raise ValueError("rollout.logprob_check=true needs rollout.temperature > 0, top_k=0 and top_p=1 (with "
-                             f"temperature={r.temperature}, top_k={r.top_k}, top_p={r.top_p} the log-probs differ by design)")
+            raise ValueError(
+                "rollout.logprob_check=true needs rollout.temperature > 0, top_k=0 and top_p=1 (with "
+                f"temperature={r.temperature}, top_k={r.top_k}, top_p={r.top_p} the log-probs differ by design)"
+            )
         if r.engine == "hf" and r.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
         if self.eval.every and not self.eval.path:
             raise ValueError("eval.every > 0 needs eval.path (a held-out file with answers)")
         return self
-
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
@@ -270,7 +288,9 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), schema: type[BaseModel] | None = None
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    schema: type[BaseModel] | None = None,
 ) -> Any:
     """YAML file plus ``section.key=value`` overrides (values parsed as YAML), validated against
     ``schema`` (the training :class:`Config` by default; `opsd eval` and `opsd sft` pass their own)."""
@@ -311,7 +331,11 @@ def _describe(e: ValidationError) -> str:
     for err in e.errors():
         key = ".".join(str(x) for x in err["loc"]) or "(top level)"
         msg = err["msg"].removeprefix("Value error, ")
-        got = f" (got {err['input']!r})" if err["type"] != "missing" and not isinstance(err["input"], dict) else ""
+        got = (
+            f" (got {err['input']!r})"
+            if err["type"] != "missing" and not isinstance(err["input"], dict)
+            else ""
+        )
         lines.append(f"{key}: {msg}{got}")
     return "; ".join(lines)
 

@@ -407,7 +407,9 @@ def evaluate(
 class EvalModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: list[str] = Field(min_length=1)  # model dirs or fetched short names; several: a side-by-side table
-    dtype: Literal["auto", "float32", "bfloat16", "float64"] | None = None  # None/auto: as `opsd train` resolves it
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] | None = (
+        None  # None/auto: as `opsd train` resolves it
+    )
 
     @field_validator("path", mode="before")
     @classmethod
@@ -569,7 +571,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seed (default 0)")
     p.add_argument("--batch-size", type=int, help="rollout.batch_size: sequences per HF generate call")
     p.add_argument("--device", help="device: auto (default: cuda if available), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", help="model.dtype (default auto: bfloat16 where the device has bf16 matrix units)")
+    p.add_argument(
+        "--dtype", help="model.dtype (default auto: bfloat16 where the device has bf16 matrix units)"
+    )
     p.add_argument("--out", type=Path, help="out: output dir (default: runs/eval-<data>-<time>)")
 
 
@@ -598,7 +602,9 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def evaluate_sharded(model, tokenizer, examples: list[Example], *, rank: int, world: int, k: int, **kw) -> EvalResult:
+def evaluate_sharded(
+    model, tokenizer, examples: list[Example], *, rank: int, world: int, k: int, **kw
+) -> EvalResult:
     """:func:`evaluate_model` with the examples split over data-parallel ranks and the counts summed.
 
     Each rank grades an equal share, topped up with uncounted repeats (under FSDP every rank must call
@@ -612,10 +618,28 @@ def evaluate_sharded(model, tokenizer, examples: list[Example], *, rank: int, wo
     share = -(-len(examples) // world)
     mine = examples[rank * share : (rank + 1) * share]
     res = evaluate_model(model, tokenizer, mine + examples[: share - len(mine)], k=k, **kw)
-    rows = [[1, sum(it["correct"]), it[f"pass@{k}"], sum(it["response_tokens"]), it["finish_reasons"].count("length"),
-             it["extracted"].count(None), len(it["errors"]) - it["errors"].count(None)] for it in res.items[: len(mine)]]
+    rows = [
+        [
+            1,
+            sum(it["correct"]),
+            it[f"pass@{k}"],
+            sum(it["response_tokens"]),
+            it["finish_reasons"].count("length"),
+            it["extracted"].count(None),
+            len(it["errors"]) - it["errors"].count(None),
+        ]
+        for it in res.items[: len(mine)]
+    ]
     sums = torch.tensor(rows, dtype=torch.float64).reshape(-1, 7).sum(0)
     n, right, passed, length, cut, none, errors = all_reduce_sum(sums).tolist()
-    return replace(res, items=res.items[: len(mine)], num_problems=int(n), avg_at_k=right / (n * k),
-                   pass_at_k=passed / n, resp_len_mean=length / (n * k), truncated_frac=cut / (n * k),
-                   no_answer_frac=none / (n * k), grading_errors=int(errors))
+    return replace(
+        res,
+        items=res.items[: len(mine)],
+        num_problems=int(n),
+        avg_at_k=right / (n * k),
+        pass_at_k=passed / n,
+        resp_len_mean=length / (n * k),
+        truncated_frac=cut / (n * k),
+        no_answer_frac=none / (n * k),
+        grading_errors=int(errors),
+    )

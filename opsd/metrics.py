@@ -24,9 +24,23 @@ LOSS_STAT_KEYS = ("divergence", "clip_frac", "entropy_student", "entropy_teacher
 LENGTH_KEYS = ("resp_len_mean", "resp_len_max", "truncated_frac")
 # Every key of a training step's record, in the order it is written.
 STEP_KEYS = (
-    "step", "loss", *LOSS_STAT_KEYS, "grad_norm", "lr", *LENGTH_KEYS, "tokens", "tokens_per_s",
-    "real_token_frac_teacher", "real_token_frac_student", "skipped_nonfinite",
-    "prompt_truncated_student", "prompt_truncated_teacher", "epoch", *TIME_KEYS, "time_step", "peak_mem_gb",
+    "step",
+    "loss",
+    *LOSS_STAT_KEYS,
+    "grad_norm",
+    "lr",
+    *LENGTH_KEYS,
+    "tokens",
+    "tokens_per_s",
+    "real_token_frac_teacher",
+    "real_token_frac_student",
+    "skipped_nonfinite",
+    "prompt_truncated_student",
+    "prompt_truncated_teacher",
+    "epoch",
+    *TIME_KEYS,
+    "time_step",
+    "peak_mem_gb",
 )
 # Written only when measured: the rollout/trainer log-prob gap (rollout.logprob_check), GRPO's reward.
 OPTIONAL_KEYS = ("logprob_gap", "reward_mean", "flat_group_frac")
@@ -82,9 +96,11 @@ def step_record(
 
 def format_step_line(rec: dict) -> str:
     """The one console line per step (beside the progress bar)."""
-    line = (f"step {rec['step']:>5} | loss {rec['loss']:.4f} | div {rec['divergence']:.4f} | "
-            f"clip {rec['clip_frac']:.3f} | agree {rec['agreement']:.3f} | len {rec['resp_len_mean']:.0f} | "
-            f"{rec['tokens_per_s']:.0f} tok/s | {rec['time_step']:.1f}s")
+    line = (
+        f"step {rec['step']:>5} | loss {rec['loss']:.4f} | div {rec['divergence']:.4f} | "
+        f"clip {rec['clip_frac']:.3f} | agree {rec['agreement']:.3f} | len {rec['resp_len_mean']:.0f} | "
+        f"{rec['tokens_per_s']:.0f} tok/s | {rec['time_step']:.1f}s"
+    )
     evals = [f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/")]
     return line + (" | " + " ".join(evals) if evals else "")
 
@@ -92,20 +108,35 @@ def format_step_line(rec: dict) -> str:
 def show_step(bar, rec: dict, *, lines: bool = True) -> None:
     """Advance the progress bar, with the loss in its postfix, and print the step's line under it."""
     bar.update(1)
-    bar.set_postfix(loss=f"{rec['loss']:.4f}", div=f"{rec['divergence']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+    bar.set_postfix(
+        loss=f"{rec['loss']:.4f}", div=f"{rec['divergence']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}"
+    )
     if lines:
         tqdm.write(format_step_line(rec), file=sys.stderr)
 
 
-def write_samples(path: Path, step: int, examples: list, responses: list[str], finish_reasons: list[str],
-                  show: bool = True) -> None:
+def write_samples(
+    path: Path, step: int, examples: list, responses: list[str], finish_reasons: list[str], show: bool = True
+) -> None:
     """Append decoded responses to ``samples.jsonl``; print the first one."""
     with path.open("a") as f:
         for ex, response, reason in zip(examples, responses, finish_reasons):
-            f.write(json.dumps({"step": step, "problem": ex.problem, "answer": ex.answer,
-                                "response": response, "finish_reason": reason}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": step,
+                        "problem": ex.problem,
+                        "answer": ex.answer,
+                        "response": response,
+                        "finish_reason": reason,
+                    }
+                )
+                + "\n"
+            )
     if responses and show:
-        tqdm.write(f"  sample | {str(examples[0].problem)[:100]!r} -> {responses[0][:200]!r}", file=sys.stderr)
+        tqdm.write(
+            f"  sample | {str(examples[0].problem)[:100]!r} -> {responses[0][:200]!r}", file=sys.stderr
+        )
 
 
 class StepTimer:
@@ -157,8 +188,16 @@ class MetricsWriter:
     line per step across resumes and readers need not de-duplicate.
     """
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = False, wandb: bool = False,
-                 wandb_project: str = "opsd", config: dict | None = None, after_step: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "opsd",
+        config: dict | None = None,
+        after_step: int | None = None,
+    ) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         if after_step is not None and self.path.is_file():
             _truncate_after(self.path, after_step)

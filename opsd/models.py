@@ -228,7 +228,9 @@ def _float64_rmsnorm(mod: nn.Module, args: tuple, output: Tensor) -> Tensor:
     return mod.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + mod.variance_epsilon))
 
 
-def _float64_rope(mod: nn.Module, args: tuple, kwargs: dict, output: tuple, *, inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+def _float64_rope(
+    mod: nn.Module, args: tuple, kwargs: dict, output: tuple, *, inv_freq: Tensor
+) -> tuple[Tensor, Tensor]:
     named = dict(zip(("x", "position_ids"), args)) | kwargs
     x, position_ids = named["x"], named["position_ids"]
     freqs = position_ids[..., None].to(torch.float64) * inv_freq.to(x.device)
@@ -341,7 +343,11 @@ def _lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     """HF name of each LoRA-wrapped base weight -> its (unmerged) LoRA module."""
     out = {}
     for name, mod in model.named_modules():
-        if hasattr(mod, "get_delta_weight") and hasattr(mod, "base_layer") and not getattr(mod, "merged", False):
+        if (
+            hasattr(mod, "get_delta_weight")
+            and hasattr(mod, "base_layer")
+            and not getattr(mod, "merged", False)
+        ):
             out[_base_name(f"{name}.base_layer.weight")] = mod
     return out
 
@@ -407,8 +413,14 @@ def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) 
     return (layers * per_layer + (8 * h + 5 * inter if checkpointing else 0)) * width
 
 
-def microbatch_budget(setting: int | str, config, dtype: torch.dtype, device: torch.device,
-                      checkpointing: bool, reserve: int = 0) -> tuple[int, str]:
+def microbatch_budget(
+    setting: int | str,
+    config,
+    dtype: torch.dtype,
+    device: torch.device,
+    checkpointing: bool,
+    reserve: int = 0,
+) -> tuple[int, str]:
     """``optim.max_tokens_per_microbatch: auto``: as many tokens as keep the student's saved activations
     within a quarter of the accelerator's free memory less ``reserve`` bytes (what the step will take
     that is not allocated yet: AdamW's state), or within 1 GiB on a CPU (where generation, the data
@@ -419,7 +431,10 @@ def microbatch_budget(setting: int | str, config, dtype: torch.dtype, device: to
     per_token = activation_bytes_per_token(config, dtype, checkpointing)
     if device.type == "cuda":  # reserve: memory the step will take that is not allocated yet (AdamW state)
         free = max(0, torch.cuda.mem_get_info(device)[0] - reserve)
-        room, where = free // 4, f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state"
+        room, where = (
+            free // 4,
+            f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state",
+        )
     else:
         room, where = 1 << 30, "1 GiB on the CPU"
     tokens = max(256, min(16384, room // per_token))

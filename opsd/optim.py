@@ -22,8 +22,16 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: f
 
 
 def make_optimizer(
-    params: list[nn.Parameter], *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-    weight_decay: float = 0.0, warmup: int = 0, total: int, schedule: str = "constant", min_ratio: float = 0.0,
+    params: list[nn.Parameter],
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    warmup: int = 0,
+    total: int,
+    schedule: str = "constant",
+    min_ratio: float = 0.0,
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over ``params`` and its schedule (:func:`lr_factor`), stepped once per optimizer step."""
     opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

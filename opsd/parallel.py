@@ -51,8 +51,13 @@ def parallelize(
     before the optimizer is built over the sharded parameters.
     """
     if teacher_model is not None:
-        shard_model(teacher_model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                    cpu_offload=teacher_offload)
+        shard_model(
+            teacher_model,
+            mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            cpu_offload=teacher_offload,
+        )
     shard_model(student, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 

@@ -106,8 +106,10 @@ class Precision:
 
     def describe(self) -> str:
         if self.mixed:
-            return (f"compute {dtype_name(self.compute)} over {dtype_name(self.storage)} master weights "
-                    f"({self.why})")
+            return (
+                f"compute {dtype_name(self.compute)} over {dtype_name(self.storage)} master weights "
+                f"({self.why})"
+            )
         return f"{dtype_name(self.compute)} ({self.why})"
 
 
@@ -140,4 +142,3 @@ def loss_matmul_dtype(precision: Precision, device: torch.device) -> torch.dtype
         return None
     has, _ = has_bf16_units(device)
     return torch.bfloat16 if has else None
-

@@ -27,8 +27,9 @@ def make_reward(grader: str) -> Reward:
         try:
             fn = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError):
-            raise UserError(f"grpo.grader={grader!r}: expected math, lenient or an importable "
-                            "package.module:function") from None
+            raise UserError(
+                f"grpo.grader={grader!r}: expected math, lenient or an importable package.module:function"
+            ) from None
 
     def reward(response: str, answer: str) -> float:
         g = fn(response, answer)

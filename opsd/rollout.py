@@ -195,7 +195,9 @@ class HFEngine:
     for the whole call (:func:`opsd.parallel.gathered`), after which each rank decodes on its own.
     """
 
-    def __init__(self, model, tokenizer, batch_size: int = 32, autocast_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, model, tokenizer, batch_size: int = 32, autocast_dtype: torch.dtype | None = None
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1")
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
@@ -236,7 +238,9 @@ class HFEngine:
         self.model.eval()
         results: list[Completion | None] = [None] * len(items)
         try:
-            amp = torch.autocast(device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
+            amp = torch.autocast(
+                device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
+            )
             rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
             with rng, amp, gathered(self.model):
                 torch.manual_seed(seed)
@@ -503,7 +507,9 @@ class VLLMEngine:
             "reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True}
         )
         if len(sent) != len(names):
-            raise RuntimeError(f"vLLM read {len(sent)} of {len(names)} weights; first unread: {names[len(sent)]}")
+            raise RuntimeError(
+                f"vLLM read {len(sent)} of {len(names)} weights; first unread: {names[len(sent)]}"
+            )
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def sync_weights(self, model) -> None:
@@ -650,7 +656,9 @@ def make_engine(
             model_path=model_path,
             tensor_parallel_size=rollout.tensor_parallel_size,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
-            dtype=dtype_name(compute_dtype) if rollout.vllm_dtype == "auto" and compute_dtype else rollout.vllm_dtype,
+            dtype=dtype_name(compute_dtype)
+            if rollout.vllm_dtype == "auto" and compute_dtype
+            else rollout.vllm_dtype,
             max_model_len=max_len,
             max_num_seqs=rollout.batch_size,
             sleep_level=rollout.vllm_sleep_level,

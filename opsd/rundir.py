@@ -50,13 +50,18 @@ def record_config(run_dir: Path, config: dict, *, resume: bool) -> None:
     old = yaml.safe_load(path.read_text()) if resume and path.is_file() else None
     changes = _diff(old, config) if old is not None else {}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "event": "resume" if resume else "start",
-             "changes": changes}
+    entry = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "event": "resume" if resume else "start",
+        "changes": changes,
+    }
     with (run_dir / "config_history.jsonl").open("a") as f:
         f.write(json.dumps(entry) + "\n")
     if changes:
-        print("config changed on resume: " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()),
-              file=sys.stderr)
+        print(
+            "config changed on resume: " + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()),
+            file=sys.stderr,
+        )
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
@@ -82,8 +87,11 @@ class GracefulStop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested}: finishing the current step, then saving a checkpoint "
-              "(signal again to abort without saving)", file=sys.stderr)
+        print(
+            f"\n{self.requested}: finishing the current step, then saving a checkpoint "
+            "(signal again to abort without saving)",
+            file=sys.stderr,
+        )
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():

@@ -194,7 +194,10 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--problem-key", help="data.problem_key (default problem)")
     p.add_argument("--solution-key", help="data.solution_key (default solution)")
     p.add_argument("--max-len", type=int, help="data.max_len: prompt + response tokens; longer rows are cut")
-    p.add_argument("--dtype", help="model.dtype: auto (default: bfloat16 where the device has bf16 units), float32, bfloat16")
+    p.add_argument(
+        "--dtype",
+        help="model.dtype: auto (default: bfloat16 where the device has bf16 units), float32, bfloat16",
+    )
     p.add_argument("--seed", type=int, help="seed (default 0)")
 
 

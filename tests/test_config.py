@@ -16,11 +16,21 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 def test_yaml_plus_overrides(tmp_path):
     p = tmp_path / "run.yaml"
     p.write_text(yaml.safe_dump({"data": {"path": "x.jsonl"}, "loss": {"beta": 0.5}}))
-    cfg = load_config(p, ["loss.beta=0", "optim.lr=5e-6", "rollout.stop_strings=['</s>']", "data.solution_key=null"
-                          , "teacher.privileged=false"])
+    cfg = load_config(
+        p,
+        [
+            "loss.beta=0",
+            "optim.lr=5e-6",
+            "rollout.stop_strings=['</s>']",
+            "data.solution_key=null",
+            "teacher.privileged=false",
+        ],
+    )
     assert cfg.loss.beta == 0 and cfg.optim.lr == 5e-6 and cfg.rollout.stop_strings == ["</s>"]
     assert cfg.data.solution_key is None
-    assert cfg.loss.to_spec(cfg.rollout.temperature).temperature == cfg.rollout.temperature  # defaults to sampling's
+    assert (
+        cfg.loss.to_spec(cfg.rollout.temperature).temperature == cfg.rollout.temperature
+    )  # defaults to sampling's
 
 
 def test_resolved_config_round_trips(tmp_path):

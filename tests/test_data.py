@@ -766,8 +766,11 @@ def test_pack_keeps_similar_lengths_together() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(lengths=st.lists(st.integers(1, 300), max_size=60), max_tokens=st.integers(1, 1000),
-       frac=st.floats(0.0, 1.0))
+@given(
+    lengths=st.lists(st.integers(1, 300), max_size=60),
+    max_tokens=st.integers(1, 1000),
+    frac=st.floats(0.0, 1.0),
+)
 def test_pack_min_real_frac_properties(lengths: list[int], max_tokens: int, frac: float) -> None:
     groups = pack_microbatches(lengths, max_tokens, frac)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))

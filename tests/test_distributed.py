@@ -142,11 +142,16 @@ def _accumulate(model, teacher, mbs: list) -> None:
     from opsd.teacher import Teacher
     from opsd.trainer import forward_backward
 
-    fixed = Teacher("fixed", model, lora=True) if teacher is None else Teacher(
-        "external", model, lora=False, external=teacher)
+    fixed = (
+        Teacher("fixed", model, lora=True)
+        if teacher is None
+        else Teacher("external", model, lora=False, external=teacher)
+    )
 
     def loss_fn(s_hidden, t_hidden, t_head, mb, adv):
-        return _loss(s_hidden, P.full_head_weight(model), t_hidden, t_head, mb.weights, mb.targets), LossStats()
+        return _loss(
+            s_hidden, P.full_head_weight(model), t_hidden, t_head, mb.weights, mb.targets
+        ), LossStats()
 
     forward_backward(model, fixed, mbs, loss_fn)
 
@@ -542,11 +547,17 @@ def _tp_group_worker(d: D.Dist, tmp: str) -> None:
         return llms[-1]
 
     platform = SimpleNamespace(is_sleep_mode_available=lambda: False, is_cpu=lambda: True)
-    sys.modules.update({
-        "vllm": SimpleNamespace(__version__="0.32.0", LLM=LLM, SamplingParams=lambda **kw: SimpleNamespace(kwargs=kw)),
-        "vllm.platforms": SimpleNamespace(current_platform=platform),
-        "vllm.distributed": SimpleNamespace(destroy_model_parallel=lambda: None, destroy_distributed_environment=lambda: None),
-    })
+    sys.modules.update(
+        {
+            "vllm": SimpleNamespace(
+                __version__="0.32.0", LLM=LLM, SamplingParams=lambda **kw: SimpleNamespace(kwargs=kw)
+            ),
+            "vllm.platforms": SimpleNamespace(current_platform=platform),
+            "vllm.distributed": SimpleNamespace(
+                destroy_model_parallel=lambda: None, destroy_distributed_environment=lambda: None
+            ),
+        }
+    )
     cfg = RolloutConfig(engine="vllm", tensor_parallel_size=2, max_new_tokens=5)
     eng = make_engine(cfg, model, tok, seed=0, max_prompt_len=50)
     assert llms[0].kwargs["tensor_parallel_size"] == 2
@@ -609,7 +620,16 @@ if sys.argv[1] == "exit_rank":
 
 
 def _torchrun(script, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -628,7 +648,10 @@ def test_a_gloo_worker_freeing_python_tensors_at_finalization_aborts_and_exit_ra
     plain = _torchrun(script, "return")
     assert plain.returncode != 0 and "terminate called without an active exception" in plain.stderr, (
         "the abort no longer reproduces with this torch: opsd.distributed.exit_rank may be unnecessary",
-        plain.returncode, plain.stderr[-2000:])
+        plain.returncode,
+        plain.stderr[-2000:],
+    )
     clean = _torchrun(script, "exit_rank")
     assert clean.returncode == 0 and "Traceback" not in clean.stderr and "terminate" not in clean.stderr, (
-        clean.stderr[-2000:])
+        clean.stderr[-2000:]
+    )

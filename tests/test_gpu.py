@@ -40,8 +40,9 @@ def test_bf16_loss_products_on_cuda_against_float64():
     spec = DistillSpec(beta=0.0, clip_mode="none", temperature=1.1)
     hs16, ht16, w16 = (x.to(torch.bfloat16) for x in (hs, ht, w))
     want, _ = fused_linear_distill(hs16.double(), w16.double(), ht16.double(), w16.double(), spec=spec)
-    got, _ = fused_linear_distill(hs16.cuda(), w16.cuda(), ht16.cuda(), w16.cuda(), spec=spec,
-                                  matmul_dtype=torch.bfloat16)
+    got, _ = fused_linear_distill(
+        hs16.cuda(), w16.cuda(), ht16.cuda(), w16.cuda(), spec=spec, matmul_dtype=torch.bfloat16
+    )
     assert float(got) == pytest.approx(float(want), rel=1e-3)
 
 
@@ -75,8 +76,15 @@ def test_cuda_rng_state_round_trips_through_a_checkpoint():
 def test_bf16_full_finetuning_on_cuda_keeps_float32_masters(assets, tmp_path):
     from opsd import Trainer
 
-    over = {"device": "cuda", "model.dtype": "bfloat16", "model.lora.enabled": "false", "optim.lr": 5e-6,
-            "optim.max_steps": 3, "teacher.frozen_copy": "cpu", "checkpoint.every": 0}
+    over = {
+        "device": "cuda",
+        "model.dtype": "bfloat16",
+        "model.lora.enabled": "false",
+        "optim.lr": 5e-6,
+        "optim.max_steps": 3,
+        "teacher.frozen_copy": "cpu",
+        "checkpoint.every": 0,
+    }
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
     before = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
     hist = tr.train()
@@ -93,8 +101,14 @@ def _nccl_worker(rank: int, port: int, root: str) -> None:
     import os
     from pathlib import Path
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-                      WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+    )
     from opsd import Trainer, distributed
     from opsd.parallel import shard_model
     from opsd.rollout import HFEngine, SamplingParams
@@ -103,15 +117,22 @@ def _nccl_worker(rank: int, port: int, root: str) -> None:
     d = distributed.init_distributed("cuda")
     try:
         paths = json.loads((Path(root) / "assets.json").read_text())
-        hist = Trainer(make_cfg(paths, Path(root) / "run", **{"device": "cuda", "model.lora.enabled": "false",
-                                                               "optim.max_steps": 2}), dist=d).train()
+        hist = Trainer(
+            make_cfg(
+                paths,
+                Path(root) / "run",
+                **{"device": "cuda", "model.lora.enabled": "false", "optim.max_steps": 2},
+            ),
+            dist=d,
+        ).train()
         tok = build_tiny_tokenizer()
         plain = build_tiny_model(tok, hidden_size=32, seed=0).cuda()
         sharded = shard_model(build_tiny_model(tok, hidden_size=32, seed=0).cuda(), d.mesh, param_dtype=None)
         prompts = [tok("What is 1 + 2?").input_ids, tok("Compute 7 * 8").input_ids]
         params = SamplingParams(temperature=0.0, max_new_tokens=8)
         same = [c.token_ids for c in HFEngine(plain, tok).generate(prompts, 1, params)] == [
-            c.token_ids for c in HFEngine(sharded, tok).generate(prompts, 1, params)]
+            c.token_ids for c in HFEngine(sharded, tok).generate(prompts, 1, params)
+        ]
         (Path(root) / "nccl.json").write_text(json.dumps({"losses": [h["loss"] for h in hist], "same": same}))
     finally:
         distributed.shutdown()

@@ -17,7 +17,12 @@ def assets(tmp_path_factory) -> dict:
     return build_assets(tmp_path_factory.mktemp("gpu_path"))
 
 
-def test_vllm_wake_empties_torch_cache_before_each_wake_up(fake_vllm, tiny_model, tiny_tokenizer, monkeypatch):  # noqa: F811
+def test_vllm_wake_empties_torch_cache_before_each_wake_up(
+    fake_vllm,  # noqa: F811
+    tiny_model,
+    tiny_tokenizer,
+    monkeypatch,
+):
     """vLLM allocates outside PyTorch's caching allocator: what the step reserved must be returned to
     the driver before vLLM asks for its weights, and again before its KV cache."""
     engine = _vllm_engine(tiny_model, tiny_tokenizer)
@@ -27,13 +32,23 @@ def test_vllm_wake_empties_torch_cache_before_each_wake_up(fake_vllm, tiny_model
     fake_vllm.log.clear()
     engine.wake()
     assert [e[0] if e[0] != "wake_up" else e for e in fake_vllm.log] == [
-        "empty_cache", ("wake_up", ["weights"]), "rpc", "reset_prefix_cache", "empty_cache", ("wake_up", ["kv_cache"]),
+        "empty_cache",
+        ("wake_up", ["weights"]),
+        "rpc",
+        "reset_prefix_cache",
+        "empty_cache",
+        ("wake_up", ["kv_cache"]),
     ]
 
 
 def test_evaluation_puts_the_engine_back_to_sleep(assets, tmp_path):
-    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"eval.path": assets["data"], "eval.limit": 2,
-                                                      "eval.max_new_tokens": 3}))
+    tr = Trainer(
+        make_cfg(
+            assets,
+            tmp_path / "run",
+            **{"eval.path": assets["data"], "eval.limit": 2, "eval.max_new_tokens": 3},
+        )
+    )
     calls = []
     generate, sleep = tr.engine.generate, tr.engine.sleep
     tr.engine.generate = lambda *a: calls.append("generate") or generate(*a)
@@ -57,7 +72,9 @@ def test_microbatch_budget_leaves_room_for_adamw_state(tiny_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 80 << 30))
     cuda = torch.device("cuda", 0)
     full, _ = models.microbatch_budget("auto", tiny_model.config, torch.bfloat16, cuda, False)
-    less, why = models.microbatch_budget("auto", tiny_model.config, torch.bfloat16, cuda, False, reserve=6 << 30)
+    less, why = models.microbatch_budget(
+        "auto", tiny_model.config, torch.bfloat16, cuda, False, reserve=6 << 30
+    )
     per_token = models.activation_bytes_per_token(tiny_model.config, torch.bfloat16, False)
     assert less == max(256, min(16384, (2 << 30) // 4 // per_token)) and less <= full
     assert "after AdamW's state" in why
@@ -90,8 +107,9 @@ def test_a_torch_without_sum_reductions_is_one_line_before_sharding(tiny_model, 
         parallel.shard_model(tiny_model, mesh=None, param_dtype=None)
 
 
-def test_merged_export_streams_shards_and_loads_as_the_merged_model(tiny_model, tiny_tokenizer, tmp_path,
-                                                                      monkeypatch):
+def test_merged_export_streams_shards_and_loads_as_the_merged_model(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
     """checkpoint.save_merged wrote every merged weight at once (a second copy of each LoRA target);
     now one shard at a time, each at most shard_bytes, into a sharded HF directory transformers loads."""
     import safetensors.torch
@@ -107,8 +125,11 @@ def test_merged_export_streams_shards_and_loads_as_the_merged_model(tiny_model, 
                 p.normal_(0, 0.1)  # a non-zero delta
     written = []
     real = safetensors.torch.save_file
-    monkeypatch.setattr(safetensors.torch, "save_file",
-                        lambda t, path, **kw: written.append(sum(x.nbytes for x in t.values())) or real(t, path, **kw))
+    monkeypatch.setattr(
+        safetensors.torch,
+        "save_file",
+        lambda t, path, **kw: written.append(sum(x.nbytes for x in t.values())) or real(t, path, **kw),
+    )
     limit = 40_000
     write_merged(lora, tiny_tokenizer, tmp_path / "merged", shard_bytes=limit)
     biggest = max(p.numel() * p.element_size() for p in tiny_model.parameters())
@@ -130,7 +151,10 @@ def test_loss_kernel_gives_the_sampled_tokens_log_probs(mode):
     from opsd.loss import DistillSpec, fused_linear_distill, token_logprobs
 
     g = torch.Generator().manual_seed(0)
-    h, w = torch.randn(40, 16, generator=g, dtype=torch.float64), torch.randn(64, 16, generator=g, dtype=torch.float64)
+    h, w = (
+        torch.randn(40, 16, generator=g, dtype=torch.float64),
+        torch.randn(64, 16, generator=g, dtype=torch.float64),
+    )
     y = torch.randint(0, 64, (40,), generator=g)
     spec = DistillSpec(mode=mode, temperature=0.7, topk=5, clip_mode="none")
     got = torch.full((40,), float("nan"), dtype=torch.float64)
@@ -163,7 +187,9 @@ def test_loss_reads_its_statistics_back_once_not_per_chunk(clip_mode, monkeypatc
     counts = []
     for chunk in (64, 8):  # 1 chunk, then 8
         reads.clear()
-        loss, _ = fused_linear_distill(h.requires_grad_(), w, h.detach() + 0.1, w, spec=spec, chunk_size=chunk)
+        loss, _ = fused_linear_distill(
+            h.requires_grad_(), w, h.detach() + 0.1, w, spec=spec, chunk_size=chunk
+        )
         counts.append(len(reads))
     assert counts[0] == counts[1] <= 2, counts
 
@@ -176,8 +202,13 @@ def test_gpu_step_bench_dry_runs_on_the_cpu():
     from pathlib import Path
 
     root = Path(__file__).parents[1]
-    res = subprocess.run([sys.executable, str(root / "bench" / "gpu_step.py"), "--tiny", "--no-write"],
-                         capture_output=True, text=True, timeout=600, cwd=root)
+    res = subprocess.run(
+        [sys.executable, str(root / "bench" / "gpu_step.py"), "--tiny", "--no-write"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "| lora |" in res.stdout and "| full fsdp |" in res.stdout, res.stdout[-3000:]
 
@@ -191,8 +222,13 @@ def test_gpu_trainer_bench_dry_runs_on_the_cpu():
     from pathlib import Path
 
     root = Path(__file__).parents[1]
-    res = subprocess.run([sys.executable, str(root / "bench" / "gpu_trainer.py"), "--tiny"],
-                         capture_output=True, text=True, timeout=600, cwd=root)
+    res = subprocess.run(
+        [sys.executable, str(root / "bench" / "gpu_trainer.py"), "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     for row in ("| lora, 1 process | 3 |", "| full, 1 process | 3 |", "| lora, 2 processes | 3 |"):
         assert row in res.stdout, res.stdout[-3000:]

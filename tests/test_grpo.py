@@ -86,11 +86,29 @@ def _assets(root):
 def _grpo_cfg(tmp_path, model, data, *extra):
     from opsd import load_config
 
-    return load_config(None, [
-        f"model.path={model}", f"data.path={data}", f"logging.run_dir={tmp_path / 'run'}", "objective=grpo",
-        "data.solution_key=null", "model.lora.r=4", "model.lora.alpha=8", "rollout.prompts_per_step=2", "rollout.n=4",
-        "rollout.max_new_tokens=4", "rollout.temperature=1.0", "optim.lr=0.05", "optim.max_steps=2",
-        "checkpoint.enabled=false", "logging.progress=false", "logging.sample_every=0", "device=cpu", *extra])
+    return load_config(
+        None,
+        [
+            f"model.path={model}",
+            f"data.path={data}",
+            f"logging.run_dir={tmp_path / 'run'}",
+            "objective=grpo",
+            "data.solution_key=null",
+            "model.lora.r=4",
+            "model.lora.alpha=8",
+            "rollout.prompts_per_step=2",
+            "rollout.n=4",
+            "rollout.max_new_tokens=4",
+            "rollout.temperature=1.0",
+            "optim.lr=0.05",
+            "optim.max_steps=2",
+            "checkpoint.enabled=false",
+            "logging.progress=false",
+            "logging.sample_every=0",
+            "device=cpu",
+            *extra,
+        ],
+    )
 
 
 def test_grpo_trains_the_tiny_model_with_rewards_from_a_grader(tmp_path, monkeypatch):
@@ -108,7 +126,9 @@ def test_grpo_trains_the_tiny_model_with_rewards_from_a_grader(tmp_path, monkeyp
     tr.reward = reward
     before = {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad}
     rec = tr.step()
-    assert len(calls) == 8 and set(calls) <= {str(a + 1) for a in range(6)}  # every response graded against its answer
+    assert len(calls) == 8 and set(calls) <= {
+        str(a + 1) for a in range(6)
+    }  # every response graded against its answer
     assert 0.0 <= rec["reward_mean"] <= 1.0 and 0.0 <= rec["flat_group_frac"] <= 1.0
     moved = any(not torch.equal(v, before[k]) for k, v in tr.model.named_parameters() if v.requires_grad)
     assert moved == (rec["flat_group_frac"] < 1.0)

@@ -46,7 +46,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state and (c := visit(m)):
                 return c
         stack.pop()
@@ -73,6 +73,11 @@ def test_cycle_finder_finds_a_cycle():
 def test_the_step_reads_like_a_loop():
     src = (PKG / "trainer.py").read_text()
     tree = ast.parse(src)
-    step = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "Trainer"
-                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "step")
+    step = next(
+        f
+        for c in tree.body
+        if isinstance(c, ast.ClassDef) and c.name == "Trainer"
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and f.name == "step"
+    )
     assert step.end_lineno - step.lineno + 1 <= 45

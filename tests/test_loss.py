@@ -171,8 +171,17 @@ def test_clip_semantics():
 def test_bf16_inputs_computed_in_fp32():
     hs, ht, w, y = make(n=64, h=32, v=500, seed=4, dtype=torch.float32)
     hb, tb, wb = hs.bfloat16(), ht.bfloat16(), w.bfloat16()
-    ref = independent(hb.double() @ wb.double().t(), tb.double() @ wb.double().t(), y,
-                      mode="jsd", beta=0.5, temperature=1.0, clip_mode="none", clip=0.0, topk=0).mean()
+    ref = independent(
+        hb.double() @ wb.double().t(),
+        tb.double() @ wb.double().t(),
+        y,
+        mode="jsd",
+        beta=0.5,
+        temperature=1.0,
+        clip_mode="none",
+        clip=0.0,
+        topk=0,
+    ).mean()
     loss, _ = fused_linear_distill(hb, wb, tb, wb, spec=DistillSpec(beta=0.5))
     assert loss.dtype == torch.float32
     # float32 (u32 = 6e-8) vs float64 on the same bf16 values: logits |z| <= 5 from 32-term products err by
@@ -331,8 +340,13 @@ small = st.integers(min_value=1, max_value=6)
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=small, v=st.integers(2, 30), beta=st.sampled_from(BETAS), seed=st.integers(0, 10_000),
-       t=st.floats(0.3, 3.0))
+@given(
+    n=small,
+    v=st.integers(2, 30),
+    beta=st.sampled_from(BETAS),
+    seed=st.integers(0, 10_000),
+    t=st.floats(0.3, 3.0),
+)
 def test_nonnegative_and_zero_at_equality(n, v, beta, seed, t):
     g = torch.Generator().manual_seed(seed)
     zs, zt = torch.randn(n, v, generator=g) * 3, torch.randn(n, v, generator=g) * 3
@@ -344,7 +358,9 @@ def test_nonnegative_and_zero_at_equality(n, v, beta, seed, t):
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 10_000), beta=st.sampled_from(BETAS), mode=st.sampled_from(["jsd", "topk", "sampled"]))
+@given(
+    seed=st.integers(0, 10_000), beta=st.sampled_from(BETAS), mode=st.sampled_from(["jsd", "topk", "sampled"])
+)
 def test_masked_tokens_change_nothing(seed, beta, mode):
     hs, ht, w, y = make(n=8, seed=seed, dtype=torch.float32)
     weights = torch.tensor([1.0, 0, 1, 1, 0, 1, 1, 0]) / 5
@@ -388,8 +404,14 @@ def test_finite_for_huge_logits(seed, beta, clip):
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 20), chunk=st.integers(1, 25), seed=st.integers(0, 10_000),
-       mode=st.sampled_from(["jsd", "topk", "sampled"]), beta=st.sampled_from(BETAS), clip=st.sampled_from(CLIPS))
+@given(
+    n=st.integers(1, 20),
+    chunk=st.integers(1, 25),
+    seed=st.integers(0, 10_000),
+    mode=st.sampled_from(["jsd", "topk", "sampled"]),
+    beta=st.sampled_from(BETAS),
+    clip=st.sampled_from(CLIPS),
+)
 def test_chunked_equals_dense_for_any_chunk_size(n, chunk, seed, mode, beta, clip):
     if mode == "sampled":
         clip = ("none", 0.0)
@@ -439,8 +461,9 @@ def test_spec_is_frozen_and_built_from_the_config():
     with pytest.raises(FrozenInstanceError):
         DistillSpec().beta = 0.5
     lc = LossConfig(mode="topk", topk=5, beta=0.5, clip_mode="token", clip=0.2, reduction="sequence")
-    assert lc.to_spec(1.1) == DistillSpec(mode="topk", beta=0.5, temperature=1.1, clip_mode="token", clip=0.2,
-                                          topk=5, reduction="sequence")
+    assert lc.to_spec(1.1) == DistillSpec(
+        mode="topk", beta=0.5, temperature=1.1, clip_mode="token", clip=0.2, topk=5, reduction="sequence"
+    )
     assert lc.to_spec(0.0).temperature == 1.0  # greedy rollouts: T = 1
     assert LossConfig(temperature=0.7).to_spec(1.1).temperature == 0.7
 
@@ -502,14 +525,16 @@ def test_vocab_parallel_matches_dense_over_two_gloo_processes():
     ctx = torch.multiprocessing.get_context("spawn")
     manager = ctx.Manager()
     results = manager.dict()
-    torch.multiprocessing.start_processes(_vp_worker, args=(2, _free_port(), results), nprocs=2,
-                                          start_method="spawn", join=True)
+    torch.multiprocessing.start_processes(
+        _vp_worker, args=(2, _free_port(), results), nprocs=2, start_method="spawn", join=True
+    )
     hs, ht, w, _ = make(n=7, v=40, seed=7)
     weights = torch.rand(7, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
     for beta, (cm, c) in itertools.product([0.0, 0.5, 1.0], CLIPS):
         zs = (hs @ w.t()).detach().requires_grad_()
-        dense = distill_loss_dense(zs, ht @ w.t(), weights,
-                                   spec=DistillSpec(beta=beta, temperature=1.2, clip_mode=cm, clip=c))
+        dense = distill_loss_dense(
+            zs, ht @ w.t(), weights, spec=DistillSpec(beta=beta, temperature=1.2, clip_mode=cm, clip=c)
+        )
         dense.backward()
         for rank in (0, 1):
             loss, grad = results[rank][(beta, cm)]

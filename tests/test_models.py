@@ -376,7 +376,9 @@ def test_microbatch_budget_auto_from_model_size():
     smol = SimpleNamespace(hidden_size=576, num_hidden_layers=30, intermediate_size=1536)
     cpu = torch.device("cpu")
     assert activation_bytes_per_token(smol, torch.float32, False) == 30 * (8 * 576 + 5 * 1536) * 4
-    assert activation_bytes_per_token(smol, torch.bfloat16, False) * 2 == activation_bytes_per_token(smol, torch.float32, False)
+    assert activation_bytes_per_token(smol, torch.bfloat16, False) * 2 == activation_bytes_per_token(
+        smol, torch.float32, False
+    )
     tokens, why = microbatch_budget("auto", smol, torch.float32, cpu, False)
     assert tokens == (1 << 30) // (30 * (8 * 576 + 5 * 1536) * 4) == 728 and "1 GiB" in why
     assert microbatch_budget("auto", smol, torch.float32, cpu, True)[0] > 8 * tokens

@@ -39,8 +39,10 @@ def test_auto_follows_the_cpu_probe_both_ways(cpu_bf16):
     assert "OPSD_CPU_BF16" in p.why and "overrides" in p.why
 
 
-@pytest.mark.parametrize(("flags", "has"), [("fpu avx512f amx_bf16 amx_tile", True),
-                                             ("fpu avx512f avx512_bf16", True), ("fpu avx2 avx512f", False)])
+@pytest.mark.parametrize(
+    ("flags", "has"),
+    [("fpu avx512f amx_bf16 amx_tile", True), ("fpu avx512f avx512_bf16", True), ("fpu avx2 avx512f", False)],
+)
 def test_cpu_probe_reads_the_flags(monkeypatch, flags, has):
     monkeypatch.delenv("OPSD_CPU_BF16")
     monkeypatch.setattr(precision, "_cpu_flags", lambda: flags)
@@ -75,8 +77,13 @@ def test_a_bad_override_is_one_line(assets, tmp_path, monkeypatch, capsys):
 
 
 def test_startup_line_says_when_the_override_is_in_effect(assets, tmp_path, cpu_bf16, capsys):
-    Trainer(make_cfg(assets, tmp_path / "run", **{"model.dtype": "auto", "model.lora.enabled": "false",
-                                                  "optim.max_steps": 1}))
+    Trainer(
+        make_cfg(
+            assets,
+            tmp_path / "run",
+            **{"model.dtype": "auto", "model.lora.enabled": "false", "optim.max_steps": 1},
+        )
+    )
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("precision:"))
     want = "compute bfloat16 over float32 master weights" if cpu_bf16 else "precision: float32"
     assert want in line and f"OPSD_CPU_BF16={int(cpu_bf16)} overrides the CPU probe" in line, line
@@ -102,8 +109,16 @@ class ScriptedEngine(HFEngine):
         return out
 
 
-FULL_FT = {"model.lora.enabled": "false", "optim.lr": 5e-6, "optim.max_steps": 10, "teacher.frozen_copy": "cpu",
-           "checkpoint.every": 0, "logging.sample_every": 0, "optim.grad_clip": 0, "rollout.max_new_tokens": 24}
+FULL_FT = {
+    "model.lora.enabled": "false",
+    "optim.lr": 5e-6,
+    "optim.max_steps": 10,
+    "teacher.frozen_copy": "cpu",
+    "checkpoint.every": 0,
+    "logging.sample_every": 0,
+    "optim.grad_clip": 0,
+    "rollout.max_new_tokens": 24,
+}
 
 
 def _changed_fraction(before: dict, model) -> float:
@@ -160,8 +175,14 @@ def _max_logit(tr) -> float:
 def test_bf16_resume_is_exact(assets, tmp_path):
     """Same operations on the same values: a resumed bf16 run equals the uninterrupted one bit for bit
     (float32 masters and AdamW state are in the checkpoint; the frozen bf16 copy is rebuilt)."""
-    over = {**FULL_FT, "model.dtype": "bfloat16", "optim.max_steps": 4, "optim.lr": 1e-3,
-            "checkpoint.every": 2, "rollout.max_new_tokens": 4}
+    over = {
+        **FULL_FT,
+        "model.dtype": "bfloat16",
+        "optim.max_steps": 4,
+        "optim.lr": 1e-3,
+        "checkpoint.every": 2,
+        "rollout.max_new_tokens": 4,
+    }
     full = Trainer(make_cfg(assets, tmp_path / "a", **over)).train()
     Trainer(make_cfg(assets, tmp_path / "b", **over)).train(until_step=2)
     resumed = Trainer(make_cfg(assets, tmp_path / "b", **over), resume=True)
@@ -171,8 +192,13 @@ def test_bf16_resume_is_exact(assets, tmp_path):
 
 
 def test_lora_adapters_and_ema_stay_float32_over_a_bf16_base(assets, tmp_path):
-    over = {"model.dtype": "bfloat16", "teacher.mode": "ema", "teacher.ema_decay": 0.9, "optim.max_steps": 2,
-            "rollout.max_new_tokens": 4}
+    over = {
+        "model.dtype": "bfloat16",
+        "teacher.mode": "ema",
+        "teacher.ema_decay": 0.9,
+        "optim.max_steps": 2,
+        "rollout.max_new_tokens": 4,
+    }
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
     tr.train()
     lora = {k: v.dtype for k, v in tr.model.named_parameters() if "lora_" in k}
@@ -204,8 +230,13 @@ def test_the_loss_runs_without_autocast(assets, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer_mod, "fused_linear_distill", spy)
     monkeypatch.setattr(real, "__wrapped__", inner_spy, raising=False)
-    tr = Trainer(make_cfg(assets, tmp_path / "run", **{**FULL_FT, "model.dtype": "bfloat16", "optim.max_steps": 1,
-                                                       "rollout.max_new_tokens": 4}))
+    tr = Trainer(
+        make_cfg(
+            assets,
+            tmp_path / "run",
+            **{**FULL_FT, "model.dtype": "bfloat16", "optim.max_steps": 1, "rollout.max_new_tokens": 4},
+        )
+    )
     with tr.autocast():
         assert torch.is_autocast_enabled("cpu")  # the forwards' context
     tr.train()
@@ -230,8 +261,13 @@ def test_vllm_dtype_follows_the_compute_dtype(tiny_model, tiny_tokenizer, monkey
     monkeypatch.setattr(rollout, "VLLMEngine", FakeVLLM)
     rollout.make_engine(RolloutConfig(engine="vllm"), tiny_model, tiny_tokenizer, seed=0, compute_dtype=BF16)
     assert got["dtype"] == "bfloat16"  # not the float32 of master weights
-    rollout.make_engine(RolloutConfig(engine="vllm", vllm_dtype="float32"), tiny_model, tiny_tokenizer, seed=0,
-                        compute_dtype=BF16)
+    rollout.make_engine(
+        RolloutConfig(engine="vllm", vllm_dtype="float32"),
+        tiny_model,
+        tiny_tokenizer,
+        seed=0,
+        compute_dtype=BF16,
+    )
     assert got["dtype"] == "float32"
 
 
@@ -270,8 +306,13 @@ def test_the_trainer_uses_bf16_loss_products_on_bf16_units(assets, tmp_path, mon
     are to each other depends on the instruction set (measured here: 8e-8 with AVX512 kernels, 1.7e-7
     with AVX2 ones, on a loss of 1e-4), so no bound between the two paths is asserted here."""
     monkeypatch.setenv("OPSD_CPU_BF16", "1")
-    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"model.dtype": "bfloat16", "optim.max_steps": 1,
-                                                       "rollout.max_new_tokens": 4}))
+    tr = Trainer(
+        make_cfg(
+            assets,
+            tmp_path / "run",
+            **{"model.dtype": "bfloat16", "optim.max_steps": 1, "rollout.max_new_tokens": 4},
+        )
+    )
     assert tr.loss_mm == BF16
     seen = {}
     real = tr.forward_backward
@@ -302,8 +343,23 @@ def test_bf16_sft_keeps_float32_masters(assets, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "sft"
-    args = ["sft", "--model", assets["model"], "--data", assets["data"], "--out", str(out), "--steps", "2",
-            "--batch-size", "2", "--dtype", "bfloat16", "--lr", "1e-3"]
+    args = [
+        "sft",
+        "--model",
+        assets["model"],
+        "--data",
+        assets["data"],
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--dtype",
+        "bfloat16",
+        "--lr",
+        "1e-3",
+    ]
     assert main(args) == 0
     assert "compute bfloat16 over float32 master weights" in capsys.readouterr().err
     assert AutoModelForCausalLM.from_pretrained(out).dtype == FP32  # the masters are what is saved

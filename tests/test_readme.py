@@ -63,8 +63,12 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
             continue
         if any("../shared/" in a for a in argv) and not shared:
             continue
-        argv = [re.sub(r"^optim\.max_steps=(\d+)$", lambda m: f"optim.max_steps={2 if int(m[1]) > 10 else m[1]}", a)
-                for a in argv]
+        argv = [
+            re.sub(
+                r"^optim\.max_steps=(\d+)$", lambda m: f"optim.max_steps={2 if int(m[1]) > 10 else m[1]}", a
+            )
+            for a in argv
+        ]
         if argv[0] == "train":
             argv += ["rollout.max_new_tokens=8", "logging.progress=false"]
         if argv[0] == "eval":

@@ -294,7 +294,10 @@ def test_smollm2_generates_from_chat_template(smollm2_path):
 class _FakeVLLMModel(torch.nn.Module):
     """vLLM's view of a Llama: q/k/v and gate/up packed into one parameter each."""
 
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
 
     def __init__(self, hf_names: list[str]) -> None:
         super().__init__()
@@ -306,7 +309,9 @@ class _FakeVLLMModel(torch.nn.Module):
                 names.append(n.replace(f".{module}.", f".{first[module]}."))
             elif not any(module in parts for parts in self.packed_modules_mapping.values()):
                 names.append(n)
-        self.params = torch.nn.ParameterDict({n.replace(".", "__"): torch.nn.Parameter(torch.zeros(1)) for n in names})
+        self.params = torch.nn.ParameterDict(
+            {n.replace(".", "__"): torch.nn.Parameter(torch.zeros(1)) for n in names}
+        )
         self.names = names
 
     def named_parameters(self, *args, **kwargs):
@@ -317,8 +322,13 @@ class _FakeLLM:
     def __init__(self, hf_names: list[str], log: list, **kwargs) -> None:
         self.kwargs, self.log, self.model = kwargs, log, _FakeVLLMModel(hf_names)
         self.loaded: dict[str, torch.Tensor] = {}
-        self.group_at_init = (dist.is_initialized() and dist.get_backend(), os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
-        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: log.append(("shutdown",))))
+        self.group_at_init = (
+            dist.is_initialized() and dist.get_backend(),
+            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
+        )
+        self.llm_engine = SimpleNamespace(
+            engine_core=SimpleNamespace(shutdown=lambda: log.append(("shutdown",)))
+        )
         torch.manual_seed(12345)  # like vLLM's set_random_seed: the engine must shield the caller's RNG
         log.append(("LLM",))
 
@@ -375,7 +385,9 @@ def fake_vllm(monkeypatch, tiny_model, tmp_path):
 
     platform = SimpleNamespace(is_sleep_mode_available=lambda: True, is_cpu=lambda: True)
     modules = {
-        "vllm": SimpleNamespace(__version__="0.32.0", LLM=LLM, SamplingParams=lambda **kw: SimpleNamespace(kwargs=kw)),
+        "vllm": SimpleNamespace(
+            __version__="0.32.0", LLM=LLM, SamplingParams=lambda **kw: SimpleNamespace(kwargs=kw)
+        ),
         "vllm.platforms": SimpleNamespace(current_platform=platform),
         "vllm.distributed": SimpleNamespace(
             destroy_model_parallel=lambda: log.append(("destroy_model_parallel",)),
@@ -421,12 +433,19 @@ def test_vllm_engine_arguments_and_start_order(fake_vllm, tiny_model, tiny_token
 
 def test_vllm_engine_config_overrides(fake_vllm, tiny_model, tiny_tokenizer):
     _vllm_engine(
-        tiny_model, tiny_tokenizer, vllm_dtype="bfloat16", max_model_len=64, vllm_sleep_level=0,
+        tiny_model,
+        tiny_tokenizer,
+        vllm_dtype="bfloat16",
+        max_model_len=64,
+        vllm_sleep_level=0,
         vllm_kwargs={"enforce_eager": True},
     )
     kw = fake_vllm.llms[0].kwargs
     assert (kw["dtype"], kw["max_model_len"], kw["enable_sleep_mode"], kw["enforce_eager"]) == (
-        "bfloat16", 64, False, True,
+        "bfloat16",
+        64,
+        False,
+        True,
     )
 
 
@@ -461,7 +480,10 @@ def test_vllm_sleep_level_2_always_reloads_at_wake(fake_vllm, tiny_model, tiny_t
     engine.sleep()
     engine.wake()  # no sync_weights in between (a skipped step): the weights are reloaded anyway
     assert log == [
-        ("sleep", 2), ("wake_up", ["weights"]), ("rpc", "reload_weights"), ("reset_prefix_cache",),
+        ("sleep", 2),
+        ("wake_up", ["weights"]),
+        ("rpc", "reload_weights"),
+        ("reset_prefix_cache",),
         ("wake_up", ["kv_cache"]),
     ]
     del log[:]
@@ -531,10 +553,17 @@ def test_vllm_coverage_check_refuses_a_partial_sync(fake_vllm, monkeypatch, tiny
 def test_check_weight_coverage():
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     vllm_params = ["model.layers.0.self_attn.qkv_proj.weight", "lm_head.weight"]
-    hf = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-          "model.layers.0.self_attn.v_proj.weight", "lm_head.weight", "extra.weight"]
+    hf = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "lm_head.weight",
+        "extra.weight",
+    ]
     check_weight_coverage(hf, vllm_params, packed)
-    with pytest.raises(RuntimeError, match=r"1 of vLLM's parameters.*lm_head\.weight \(needs lm_head\.weight\)"):
+    with pytest.raises(
+        RuntimeError, match=r"1 of vLLM's parameters.*lm_head\.weight \(needs lm_head\.weight\)"
+    ):
         check_weight_coverage(hf[:3], vllm_params, packed)
 
 

@@ -30,15 +30,29 @@ from opsd.errors import UserError
 
 # Sampled rollouts, LoRA dropout and an EMA teacher: a resume must restore each rank's RNG state,
 # and the EMA weights (sharded, in the checkpoint's dcp/) exactly.
-SAMPLED = {"teacher.mode": "ema", "teacher.ema_decay": 0.7, "model.lora.dropout": 0.1, "optim.max_steps": 4,
-           "optim.scheduler": "cosine", "checkpoint.save_merged": "true"}
+SAMPLED = {
+    "teacher.mode": "ema",
+    "teacher.ema_decay": 0.7,
+    "model.lora.dropout": 0.1,
+    "optim.max_steps": 4,
+    "optim.scheduler": "cosine",
+    "checkpoint.save_merged": "true",
+}
 # Greedy rollouts and no dropout: nothing depends on how the batch is split over ranks, so 2 ranks and
 # 1 rank compute the same numbers. Full fine-tuning with a fixed teacher (a sharded frozen copy), several
 # micro-batches per rank, and sharded evaluation of 3 problems (rank 1 gets 1 of them).
 # optim.eps=1e-3 keeps AdamW from blowing float noise in near-zero gradients up to full-size steps.
-GREEDY = {"model.lora.enabled": "false", "rollout.temperature": 0, "optim.max_steps": 4, "optim.eps": 1e-3,
-          "optim.max_tokens_per_microbatch": 40, "eval.path": None, "eval.every": 2, "eval.limit": 3,
-          "eval.max_new_tokens": 4}
+GREEDY = {
+    "model.lora.enabled": "false",
+    "rollout.temperature": 0,
+    "optim.max_steps": 4,
+    "optim.eps": 1e-3,
+    "optim.max_tokens_per_microbatch": 40,
+    "eval.path": None,
+    "eval.every": 2,
+    "eval.limit": 3,
+    "eval.max_new_tokens": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +81,13 @@ def _same(got: list[dict], want: list[dict], rel: float, keys=KEYS) -> None:
 
 def _runs_worker(d, paths: dict, root: str) -> None:
     root_p = Path(root)
-    runs = [("sampled-full", SAMPLED, None, False), ("sampled-part", SAMPLED, 2, False),
-            ("sampled-part", SAMPLED, None, True), ("greedy-full", _greedy(paths), None, False),
-            ("greedy-part", _greedy(paths), 2, False)]
+    runs = [
+        ("sampled-full", SAMPLED, None, False),
+        ("sampled-part", SAMPLED, 2, False),
+        ("sampled-part", SAMPLED, None, True),
+        ("greedy-full", _greedy(paths), None, False),
+        ("greedy-part", _greedy(paths), 2, False),
+    ]
     for name, over, until, resume in runs:
         if resume:
             torch.manual_seed(1234 + d.rank)  # whatever this process drew: the checkpoint's RNG state wins
@@ -136,7 +154,9 @@ def _sigterm_worker(d, paths: dict, root: str) -> None:
 
     def rollout(prompts):  # rank 1 has no samples in step 1: it pads with zero-weight micro-batches
         comps = real_rollout(prompts)
-        return [replace(c, token_ids=[], logprobs=[]) for c in comps] if d.rank and tr.step_num == 0 else comps
+        return (
+            [replace(c, token_ids=[], logprobs=[]) for c in comps] if d.rank and tr.step_num == 0 else comps
+        )
 
     def step():
         rec = real_step()
@@ -156,8 +176,10 @@ def test_sigterm_to_one_rank_stops_all_after_the_same_step(assets, tmp_path):
     for r in ranks:
         assert [h["step"] for h in r["hist"]] == [1, 2] and r["stopped"]
     # the logged numbers are global: the same on both ranks, although rank 1 had no samples in step 1
-    assert ranks[0]["hist"] == [{**h, **{k: v for k, v in g.items() if k.startswith(("time_", "tokens_per_s", "peak_"))}}
-                                for h, g in zip(ranks[1]["hist"], ranks[0]["hist"])]
+    assert ranks[0]["hist"] == [
+        {**h, **{k: v for k, v in g.items() if k.startswith(("time_", "tokens_per_s", "peak_"))}}
+        for h, g in zip(ranks[1]["hist"], ranks[0]["hist"])
+    ]
     assert ranks[0]["hist"][0]["resp_len_mean"] > 0 and ranks[0]["hist"][0]["tokens"] > 0
     run = tmp_path / "run"
     assert [c.name for c in list_checkpoints(run)] == ["step_000002"]
@@ -171,11 +193,24 @@ def test_sigterm_to_one_rank_stops_all_after_the_same_step(assets, tmp_path):
 def test_torchrun_trains_then_a_rank0_run_dir_error_ends_every_rank(assets, tmp_path):
     """`torchrun --standalone --nproc-per-node 2 -m opsd train` for 3 steps; the same command again
     finds the run directory on rank 0, and both ranks exit with that message at once."""
-    cfg = make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 3, "device": "cpu", "logging.sample_every": 0})
+    cfg = make_cfg(
+        assets, tmp_path / "run", **{"optim.max_steps": 3, "device": "cpu", "logging.sample_every": 0}
+    )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "opsd", "train", "--config", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "opsd",
+        "train",
+        "--config",
+        str(path),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -194,12 +229,27 @@ def test_three_torchrun_runs_in_a_row_exit_cleanly(assets, tmp_path):
     """A finished two-rank run exits 0 with no traceback and no abort, three times in a row (1 in 20
     aborted at exit before ranks ended through opsd.distributed.exit_rank; bench/torchrun_exits.py
     runs it 20 times)."""
-    cfg = make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2, "device": "cpu", "logging.sample_every": 0,
-                                              "checkpoint.every": 1})
+    cfg = make_cfg(
+        assets,
+        tmp_path / "run",
+        **{"optim.max_steps": 2, "device": "cpu", "logging.sample_every": 0, "checkpoint.every": 1},
+    )
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "opsd", "train", "--config", str(path), "--overwrite"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "opsd",
+        "train",
+        "--config",
+        str(path),
+        "--overwrite",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     for attempt in range(3):
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -210,7 +260,9 @@ def test_three_torchrun_runs_in_a_row_exit_cleanly(assets, tmp_path):
 
 def test_prompts_per_step_is_the_global_batch():
     assert RolloutConfig(prompts_per_step=8).prompts_per_rank(4) == 2
-    with pytest.raises(UserError, match=r"prompts_per_step=6 is the global batch .* 4 ranks.*prompts_per_step=8"):
+    with pytest.raises(
+        UserError, match=r"prompts_per_step=6 is the global batch .* 4 ranks.*prompts_per_step=8"
+    ):
         RolloutConfig(prompts_per_step=6).prompts_per_rank(4)
 
 
@@ -226,19 +278,31 @@ def _bf16_worker(d, paths: dict, root: str) -> None:
     opsd.trainer.make_engine = ScriptedEngine  # the same tokens on both ranks' runs, many embedding rows
     full = Trainer(make_cfg(paths, Path(root) / "full", **{**FULL_FT, "model.dtype": "bfloat16"}), dist=d)
     before = {k: v.clone() for k, v in gather_full_state_dict(full.model).items()}
-    local = {type(p).__name__: str(p.to_local().dtype if isinstance(p, DTensor) else p.dtype)
-             for p in full.model.parameters()}
+    local = {
+        type(p).__name__: str(p.to_local().dtype if isinstance(p, DTensor) else p.dtype)
+        for p in full.model.parameters()
+    }
     full.train()
     after = gather_full_state_dict(full.model)
-    lora = Trainer(make_cfg(paths, Path(root) / "lora", **{"model.dtype": "bfloat16", "optim.max_steps": 1,
-                                                            "rollout.max_new_tokens": 4}), dist=d)
+    lora = Trainer(
+        make_cfg(
+            paths,
+            Path(root) / "lora",
+            **{"model.dtype": "bfloat16", "optim.max_steps": 1, "rollout.max_new_tokens": 4},
+        ),
+        dist=d,
+    )
     lora.train()
     adapters = {str(p.to_local().dtype) for k, p in lora.model.named_parameters() if "lora_" in k}
     if d.rank == 0:
         changed = sum(int((after[k] != before[k]).sum()) for k in before)
         total = sum(v.numel() for v in before.values())
-        report = {"moved": changed / total, "local": local, "adapters": sorted(adapters),
-                  "param_dtype": str(full._fsdp_param_dtype())}
+        report = {
+            "moved": changed / total,
+            "local": local,
+            "adapters": sorted(adapters),
+            "param_dtype": str(full._fsdp_param_dtype()),
+        }
         (Path(root) / "bf16.json").write_text(json.dumps(report))
 
 
@@ -274,12 +338,19 @@ def _generation_worker(d, root: str) -> None:
 
     group_mod.foreach_all_gather = counting
     try:
-        out = HFEngine(model, tok).generate(prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
+        out = HFEngine(model, tok).generate(
+            prompts, 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+        )
     finally:
         group_mod.foreach_all_gather = real
     layers = len(model.model.layers)
-    record = {"tokens": [c.token_ids for c in out], "logprobs": [c.logprobs for c in out], "gathers": len(gathers),
-              "units": layers + 1, "prompts": prompts}
+    record = {
+        "tokens": [c.token_ids for c in out],
+        "logprobs": [c.logprobs for c in out],
+        "gathers": len(gathers),
+        "units": layers + 1,
+        "prompts": prompts,
+    }
     (Path(root) / f"gen{d.rank}.json").write_text(json.dumps(record))
 
 
@@ -296,6 +367,7 @@ def test_sharded_generation_gathers_once_and_equals_unsharded(tmp_path, tiny_tok
         got = json.loads((tmp_path / f"gen{rank}.json").read_text())
         assert got["gathers"] == got["units"], got["gathers"]  # 8 new tokens: 8x as many before
         want = HFEngine(model, tiny_tokenizer).generate(
-            got["prompts"], 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
+            got["prompts"], 2, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5)
+        )
         assert got["tokens"] == [c.token_ids for c in want]
         assert got["logprobs"] == [c.logprobs for c in want]

@@ -31,19 +31,37 @@ def build_assets(root: Path) -> dict:
         m = build_tiny_model(tok, hidden_size=32, seed=seed)
         m.save_pretrained(root / name)
         tok.save_pretrained(root / name)
-    rows = [{"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
-             "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 5), (6, 1)]]
+    rows = [
+        {
+            "problem": f"What is {a} + {b}?",
+            "solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
+            "answer": str(a + b),
+        }
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 5), (6, 1)]
+    ]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"model": str(root / "model"), "other": str(root / "other"), "data": str(root / "train.jsonl")}
 
 
 def make_cfg(assets: dict, run_dir: Path, **over) -> Config:
     base = [
-        f"model.path={assets['model']}", f"data.path={assets['data']}", f"logging.run_dir={run_dir}",
-        "model.lora.r=4", "model.lora.alpha=8", "rollout.prompts_per_step=2", "rollout.n=2",
-        "rollout.max_new_tokens=6", "rollout.temperature=1.0", "optim.lr=0.01", "optim.max_steps=2",
-        "checkpoint.every=1", "logging.progress=false", "logging.sample_every=1", "data.max_prompt_len=256",
-        "loss.clip_mode=none", "model.dtype=float32",
+        f"model.path={assets['model']}",
+        f"data.path={assets['data']}",
+        f"logging.run_dir={run_dir}",
+        "model.lora.r=4",
+        "model.lora.alpha=8",
+        "rollout.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        "rollout.temperature=1.0",
+        "optim.lr=0.01",
+        "optim.max_steps=2",
+        "checkpoint.every=1",
+        "logging.progress=false",
+        "logging.sample_every=1",
+        "data.max_prompt_len=256",
+        "loss.clip_mode=none",
+        "model.dtype=float32",
     ]
     return load_config(None, base + [f"{k}={v}" for k, v in over.items()])
 
@@ -75,7 +93,9 @@ def test_modes_train_and_teacher_stays_fixed(assets, tmp_path, over):
     assert len(hist) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
     if over.get("loss.mode") != "sampled":  # the sampled estimate of the divergence can be negative
         assert all(h["divergence"] > 0 for h in hist)
-    changed = [k for k, v in tr.model.named_parameters() if v.requires_grad and not torch.equal(v, student0[k])]
+    changed = [
+        k for k, v in tr.model.named_parameters() if v.requires_grad and not torch.equal(v, student0[k])
+    ]
     assert changed, "the student's weights did not change"
     if over.get("teacher.mode", "fixed") == "fixed":
         if frozen0 is not None:  # full fine-tuning: the frozen copy is untouched
@@ -89,9 +109,27 @@ def test_modes_train_and_teacher_stays_fixed(assets, tmp_path, over):
         assert any(not torch.equal(a, b) for a, b in zip(ema0, tr.teacher.ema))
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     recs = [json.loads(x) for x in lines]
-    for key in ("step", "loss", "divergence", "clip_frac", "entropy_student", "entropy_teacher", "agreement",
-                "resp_len_mean", "resp_len_max", "truncated_frac", "tokens_per_s", "time_rollout", "time_teacher",
-                "time_student", "time_loss", "time_optim", "peak_mem_gb", "lr", "grad_norm"):
+    for key in (
+        "step",
+        "loss",
+        "divergence",
+        "clip_frac",
+        "entropy_student",
+        "entropy_teacher",
+        "agreement",
+        "resp_len_mean",
+        "resp_len_max",
+        "truncated_frac",
+        "tokens_per_s",
+        "time_rollout",
+        "time_teacher",
+        "time_student",
+        "time_loss",
+        "time_optim",
+        "peak_mem_gb",
+        "lr",
+        "grad_norm",
+    ):
         assert all(key in r for r in recs), key
     assert [r["step"] for r in recs] == [1, 2]
     assert (tmp_path / "run" / "config.yaml").is_file()
@@ -101,7 +139,9 @@ def test_modes_train_and_teacher_stays_fixed(assets, tmp_path, over):
 
 
 def test_external_teacher(assets, tmp_path):
-    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"teacher.mode": "external", "teacher.path": assets["other"]}))
+    tr = Trainer(
+        make_cfg(assets, tmp_path / "run", **{"teacher.mode": "external", "teacher.path": assets["other"]})
+    )
     t0 = _frozen(tr.teacher.model)
     hist = tr.train()
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
@@ -120,8 +160,14 @@ def test_external_teacher_with_other_tokenizer_is_refused(assets, tmp_path):
 
 
 def test_resume_is_exact(assets, tmp_path):
-    over = {"optim.max_steps": 6, "optim.scheduler": "cosine", "optim.warmup_steps": 2,
-            "teacher.mode": "ema", "teacher.ema_decay": 0.7, "model.lora.dropout": 0.1}
+    over = {
+        "optim.max_steps": 6,
+        "optim.scheduler": "cosine",
+        "optim.warmup_steps": 2,
+        "teacher.mode": "ema",
+        "teacher.ema_decay": 0.7,
+        "model.lora.dropout": 0.1,
+    }
     full = Trainer(make_cfg(assets, tmp_path / "a", **over)).train()
     first = Trainer(make_cfg(assets, tmp_path / "b", **over))
     first.train(until_step=3)
@@ -205,8 +251,11 @@ def test_nonfinite_steps_are_skipped_then_stop(assets, tmp_path, monkeypatch):
 
 def test_skipped_step_leaves_weights_unchanged(assets, tmp_path, monkeypatch):
     real = trainer_mod.fused_linear_distill
-    monkeypatch.setattr(trainer_mod, "fused_linear_distill",
-                        lambda *a, **k: (lambda r: (r[0] * float("nan"), r[1]))(real(*a, **k)))
+    monkeypatch.setattr(
+        trainer_mod,
+        "fused_linear_distill",
+        lambda *a, **k: (lambda r: (r[0] * float("nan"), r[1]))(real(*a, **k)),
+    )
     tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 1}))
     w0 = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
     with pytest.warns(UserWarning):
@@ -238,7 +287,9 @@ def test_lora_checkpoint_is_hf_loadable_and_merged(assets, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"checkpoint.save_merged": "true", "optim.max_steps": 1}))
+    tr = Trainer(
+        make_cfg(assets, tmp_path / "run", **{"checkpoint.save_merged": "true", "optim.max_steps": 1})
+    )
     tr.train()
     ck = list_checkpoints(tmp_path / "run")[-1]
     merged = AutoModelForCausalLM.from_pretrained(ck / "merged")
@@ -295,8 +346,13 @@ def test_cli_train_resume_and_errors(assets, tmp_path, capsys, monkeypatch):
 
 
 def test_eval_during_training_goes_to_metrics(assets, tmp_path):
-    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"eval.path": assets["data"], "eval.every": 1,
-                                                      "eval.limit": 3, "eval.max_new_tokens": 4}))
+    tr = Trainer(
+        make_cfg(
+            assets,
+            tmp_path / "run",
+            **{"eval.path": assets["data"], "eval.every": 1, "eval.limit": 3, "eval.max_new_tokens": 4},
+        )
+    )
     hist = tr.train()
     assert all("eval/avg@1" in h and 0.0 <= h["eval/avg@1"] <= 1.0 for h in hist)
     rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
@@ -306,15 +362,27 @@ def test_eval_during_training_goes_to_metrics(assets, tmp_path):
 @pytest.mark.smollm2
 @pytest.mark.slow
 def test_two_steps_on_real_smollm2(smollm2_path, tmp_path):
-    rows = [{"problem": "What is 12 + 30?", "solution": "12 + 30 = 42, so the answer is 42.", "answer": "42"},
-            {"problem": "What is 7 * 6?", "solution": "7 * 6 = 42.", "answer": "42"}]
+    rows = [
+        {"problem": "What is 12 + 30?", "solution": "12 + 30 = 42, so the answer is 42.", "answer": "42"},
+        {"problem": "What is 7 * 6?", "solution": "7 * 6 = 42.", "answer": "42"},
+    ]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(None, [
-        f"model.path={smollm2_path}", f"data.path={data}", f"logging.run_dir={tmp_path / 'run'}",
-        "model.lora.r=8", "rollout.prompts_per_step=2", "rollout.max_new_tokens=16", "optim.max_steps=2",
-        "checkpoint.every=0", "logging.progress=false", "device=cpu",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={smollm2_path}",
+            f"data.path={data}",
+            f"logging.run_dir={tmp_path / 'run'}",
+            "model.lora.r=8",
+            "rollout.prompts_per_step=2",
+            "rollout.max_new_tokens=16",
+            "optim.max_steps=2",
+            "checkpoint.every=0",
+            "logging.progress=false",
+            "device=cpu",
+        ],
+    )
     tr = Trainer(cfg)
     hist = tr.train()
     assert len(hist) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
@@ -332,7 +400,9 @@ def test_logprob_check_measures_the_rollout_trainer_gap(assets, tmp_path):
     # each side carries a few roundings of that size in its logits and log-sum-exp; 8 per side, 16 in
     # all, gives 16 u32 ln V = 6e-6 (measured: 1e-7 to 3e-7). In bf16 this is 2^8 times larger.
     assert 0.0 <= rec["logprob_gap"] < 16 * (torch.finfo(torch.float32).eps / 2) * math.log(512)
-    tr = Trainer(make_cfg(assets, tmp_path / "shifted", **{"rollout.logprob_check": "true", "optim.max_steps": 1}))
+    tr = Trainer(
+        make_cfg(assets, tmp_path / "shifted", **{"rollout.logprob_check": "true", "optim.max_steps": 1})
+    )
     generate = tr.engine.generate
     tr.engine.generate = lambda *a: [replace(c, logprobs=[x - 0.5 for x in c.logprobs]) for c in generate(*a)]
     (rec,) = tr.train()
@@ -371,7 +441,12 @@ def test_cli_closes_the_engine_before_the_process_group(assets, tmp_path, monkey
     monkeypatch.setattr(trainer_mod, "Trainer", Recorder)
     monkeypatch.setattr(D, "init_distributed", lambda *a, **k: D.Dist(mesh=object()))
     monkeypatch.setattr(D, "shutdown", lambda: calls.append("shutdown"))
-    args = ["train", f"model.path={assets['model']}", f"data.path={assets['data']}", f"logging.run_dir={tmp_path / 'run'}"]
+    args = [
+        "train",
+        f"model.path={assets['model']}",
+        f"data.path={assets['data']}",
+        f"logging.run_dir={tmp_path / 'run'}",
+    ]
     cfg = tmp_path / "c.yaml"
     cfg.write_text("{}\n")
     fail = False
@@ -407,13 +482,20 @@ def test_forward_backward_is_the_step_loop_and_can_run_without_gradients(assets,
 def test_logprob_check_reuses_the_loss_logits_when_the_temperatures_agree(assets, tmp_path, monkeypatch):
     """With loss and sampling at one temperature the trainer's log S(y) comes from the fused loss's own
     student logits (no second head product); at another loss temperature it takes its own product."""
+
     def refuse(*a, **k):
         raise AssertionError("a second head product for the log-prob check")
 
     monkeypatch.setattr(trainer_mod, "token_logprobs", refuse)
-    (rec,) = Trainer(make_cfg(assets, tmp_path / "same", **{"rollout.logprob_check": "true",
-                                                           "optim.max_steps": 1})).train()
+    (rec,) = Trainer(
+        make_cfg(assets, tmp_path / "same", **{"rollout.logprob_check": "true", "optim.max_steps": 1})
+    ).train()
     assert 0.0 <= rec["logprob_gap"] < 16 * (torch.finfo(torch.float32).eps / 2) * math.log(512)  # as above
     with pytest.raises(AssertionError, match="second head product"):
-        Trainer(make_cfg(assets, tmp_path / "other", **{"rollout.logprob_check": "true", "loss.temperature": 0.7,
-                                                       "optim.max_steps": 1})).train()
+        Trainer(
+            make_cfg(
+                assets,
+                tmp_path / "other",
+                **{"rollout.logprob_check": "true", "loss.temperature": 0.7, "optim.max_steps": 1},
+            )
+        ).train()

@@ -22,13 +22,20 @@ def setup(tmp_path_factory) -> dict:
     tok = build_tiny_tokenizer()
     build_tiny_model(tok, hidden_size=32).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
-    rows = [{"problem": f"What is {a} + 1?", "solution": f"{a} + 1 = {a + 1}.", "answer": str(a + 1)} for a in range(4)]
+    rows = [
+        {"problem": f"What is {a} + 1?", "solution": f"{a} + 1 = {a + 1}.", "answer": str(a + 1)}
+        for a in range(4)
+    ]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "noanswers.jsonl").write_text("".join(json.dumps({"problem": r["problem"]}) + "\n" for r in rows))
-    cfg = {"model": {"path": str(root / "model"), "lora": {"r": 4, "alpha": 8}},
-           "data": {"path": str(root / "train.jsonl"), "max_prompt_len": 128},
-           "rollout": {"prompts_per_step": 2, "max_new_tokens": 4}, "optim": {"max_steps": 1},
-           "logging": {"progress": False, "sample_every": 0}, "device": "cpu"}
+    cfg = {
+        "model": {"path": str(root / "model"), "lora": {"r": 4, "alpha": 8}},
+        "data": {"path": str(root / "train.jsonl"), "max_prompt_len": 128},
+        "rollout": {"prompts_per_step": 2, "max_new_tokens": 4},
+        "optim": {"max_steps": 1},
+        "logging": {"progress": False, "sample_every": 0},
+        "device": "cpu",
+    }
     (root / "run.yaml").write_text(yaml.safe_dump(cfg))
     return {"root": root, "config": str(root / "run.yaml")}
 
@@ -83,8 +90,9 @@ def test_full_disk_during_save(setup, tmp_path, capsys, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ck.torch, "save", no_space)
-    line = _one_line_error(capsys, main(_train(setup, tmp_path)), "failed", "disk full", str(tmp_path / "run"),
-                           status=1)
+    line = _one_line_error(
+        capsys, main(_train(setup, tmp_path)), "failed", "disk full", str(tmp_path / "run"), status=1
+    )
     assert "no earlier checkpoint" in line
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
 

@@ -75,7 +75,10 @@ def _trainer_logprobs(model, prompt: list[int], resp: list[int], temperature: fl
 def _gap(model, prompts, completions, temperature: float) -> float:
     """Largest |rollout log-prob - trainer log-prob| over all sampled tokens."""
     return max(
-        (torch.tensor(c.logprobs) - _trainer_logprobs(model, prompts[c.prompt_index], c.token_ids, temperature))
+        (
+            torch.tensor(c.logprobs)
+            - _trainer_logprobs(model, prompts[c.prompt_index], c.token_ids, temperature)
+        )
         .abs()
         .max()
         .item()
@@ -155,7 +158,9 @@ def test_coverage_check_fails_loudly(engine, assets, base_model, monkeypatch):
 def test_lora_merged_sync_equals_merge_and_unload(engine, assets, base_model):
     peft = pytest.importorskip("peft")
     prompts = assets["prompts"]
-    cfg = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0
+    )
     lora = peft.get_peft_model(_load(assets["root"] / "base"), cfg)
     with torch.no_grad():
         for n, p in lora.named_parameters():
@@ -202,17 +207,35 @@ def test_sync_changes_outputs_and_equals_a_fresh_engine(engine, assets, base_mod
 
 
 def test_three_training_steps_with_vllm(assets, tmp_path):
-    rows = [{"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
-             "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    rows = [
+        {
+            "problem": f"What is {a} + {b}?",
+            "solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
+            "answer": str(a + b),
+        }
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]
+    ]
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps({"rollout": {"engine": "vllm", "vllm_kwargs": VLLM_KWARGS}}))
     args = [
-        f"model.path={assets['root'] / 'base'}", f"data.path={data}", f"logging.run_dir={tmp_path / 'run'}",
-        "seed=3", "model.lora.r=4", "model.lora.alpha=8", "rollout.prompts_per_step=2", "rollout.n=2",
-        "rollout.max_new_tokens=6", "rollout.temperature=1.0", "optim.lr=0.01", "optim.max_steps=3",
-        "checkpoint.every=0", "logging.progress=false", "logging.sample_every=0", "data.max_prompt_len=64",
+        f"model.path={assets['root'] / 'base'}",
+        f"data.path={data}",
+        f"logging.run_dir={tmp_path / 'run'}",
+        "seed=3",
+        "model.lora.r=4",
+        "model.lora.alpha=8",
+        "rollout.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        "rollout.temperature=1.0",
+        "optim.lr=0.01",
+        "optim.max_steps=3",
+        "checkpoint.every=0",
+        "logging.progress=false",
+        "logging.sample_every=0",
+        "data.max_prompt_len=64",
         "model.dtype=float32",
     ]
     trainer = Trainer(load_config(str(config), args))
@@ -243,25 +266,47 @@ def test_torchrun_with_vllm_exits_cleanly(assets, tmp_path, lora):
 
     import yaml
 
-    rows = [{"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}.", "answer": str(a + b)}
-            for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    rows = [
+        {"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}.", "answer": str(a + b)}
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]
+    ]
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = {
         "device": "cpu",
-        "model": {"path": str(assets["root"] / "base"), "dtype": "float32", "lora": {"enabled": lora, "r": 4}},
+        "model": {
+            "path": str(assets["root"] / "base"),
+            "dtype": "float32",
+            "lora": {"enabled": lora, "r": 4},
+        },
         "teacher": {"frozen_copy": "cpu"},
         "data": {"path": str(data), "max_prompt_len": 64},
-        "rollout": {"engine": "vllm", "vllm_kwargs": VLLM_KWARGS, "prompts_per_step": 2, "n": 2,
-                    "max_new_tokens": 6},
+        "rollout": {
+            "engine": "vllm",
+            "vllm_kwargs": VLLM_KWARGS,
+            "prompts_per_step": 2,
+            "n": 2,
+            "max_new_tokens": 6,
+        },
         "optim": {"lr": 0.01, "max_steps": 2},
         "checkpoint": {"every": 0},
         "logging": {"run_dir": str(tmp_path / "run"), "progress": False, "sample_every": 0},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "opsd", "train", "--config", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "opsd",
+        "train",
+        "--config",
+        str(path),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     out = res.stdout + res.stderr

@@ -50,7 +50,9 @@ def make_sample(
         rollout_logprobs=[float(x) for x in logprobs] if logprobs is not None else None,
     )
     if logprobs is not None and len(logprobs) != len(response):
-        raise ValueError(f"example {example_index}: {len(logprobs)} log-probs for {len(response)} response tokens")
+        raise ValueError(
+            f"example {example_index}: {len(logprobs)} log-probs for {len(response)} response tokens"
+        )
     check_alignment(sample)
     return sample
 
@@ -223,8 +225,9 @@ def _microbatch(
         teacher_pos=t_pos,
         targets=targets,
         weights=weights,
-        rollout_logprobs=None if any(s.rollout_logprobs is None for s in mb) else torch.tensor(
-            [x for s in mb for x in s.rollout_logprobs], dtype=torch.float32, device=device),
+        rollout_logprobs=None
+        if any(s.rollout_logprobs is None for s in mb)
+        else torch.tensor([x for s in mb for x in s.rollout_logprobs], dtype=torch.float32, device=device),
         response_lens=resp,
         sample_indices=list(group),
         student_real_tokens=sum(len(s.student_ids) for s in mb),

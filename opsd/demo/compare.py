@@ -90,7 +90,9 @@ def run_trainer_arm(arm: str, s: DemoSettings, p: Prepared, run_dir: Path, progr
     overrides += ["checkpoint.enabled=false", *arm_overrides(arm, s)]
     trainer = Trainer(load_config(None, overrides), overwrite=True)
     try:
-        points = train_with_evals(trainer, load_tokenizer(str(p.base)), p, s, run_dir, progress, label=ARMS[arm])
+        points = train_with_evals(
+            trainer, load_tokenizer(str(p.base)), p, s, run_dir, progress, label=ARMS[arm]
+        )
     finally:
         trainer.close()
     return ArmResult(arm, s.seed, points, time.time() - t0)

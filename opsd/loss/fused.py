@@ -243,8 +243,15 @@ def auto_chunk_size(vocab_size: int, max_elems: int = 1 << 26) -> int:
     return max(16, min(256, max_elems // vocab_size))
 
 
-def _check_shapes(hs: Tensor, ws: Tensor, ht: Tensor, wt: Tensor, weights: Tensor | None,
-                  targets: Tensor | None, spec: DistillSpec) -> None:
+def _check_shapes(
+    hs: Tensor,
+    ws: Tensor,
+    ht: Tensor,
+    wt: Tensor,
+    weights: Tensor | None,
+    targets: Tensor | None,
+    spec: DistillSpec,
+) -> None:
     if hs.dim() != 2 or ht.dim() != 2:
         raise ValueError(
             f"hidden states must be [N, H], got student {tuple(hs.shape)} and teacher {tuple(ht.shape)}"

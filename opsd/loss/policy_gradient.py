@@ -20,17 +20,26 @@ from opsd.loss.spec import LossStats
 
 @kernel_precision
 def fused_linear_policy_gradient(
-    hidden: Tensor, weight: Tensor, targets: Tensor, coef: Tensor, *, temperature: float = 1.0,
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    coef: Tensor,
+    *,
+    temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> tuple[Tensor, LossStats]:
     """``-sum_n coef_n log S(y_n)`` from hidden states ``[N, H]`` and the lm_head ``[V, H]``, a chunk
     of rows at a time (never ``[N, V]`` logits), with analytic gradients. Rows with ``coef == 0``
     (e.g. a group whose rewards are all equal) are skipped: they contribute exactly nothing."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     n = hidden.shape[0]
     if targets.shape != (n,) or coef.shape != (n,):
-        raise ValueError(f"targets and coef must have shape [{n}], got {tuple(targets.shape)}, {tuple(coef.shape)}")
+        raise ValueError(
+            f"targets and coef must have shape [{n}], got {tuple(targets.shape)}, {tuple(coef.shape)}"
+        )
     dtype = compute_dtype(hidden)
     need_h = torch.is_grad_enabled() and hidden.requires_grad
     need_w = torch.is_grad_enabled() and weight.requires_grad
@@ -59,7 +68,9 @@ def fused_linear_policy_gradient(
     if not (need_h or need_w):
         return total, stats
     out = _PrecomputedGrad.apply(
-        total, hidden, weight,
+        total,
+        hidden,
+        weight,
         grad_h.to(hidden.dtype) if grad_h is not None else torch.zeros_like(hidden),
         grad_w.to(weight.dtype) if grad_w is not None else None,
     )
@@ -69,7 +80,12 @@ def fused_linear_policy_gradient(
 @torch.no_grad()
 @kernel_precision
 def token_logprobs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
 ) -> Tensor:
     """``log softmax(h W^T / T)[y]`` per row, in fp32 (float64 for float64 input), a chunk at a time.
 
