@@ -164,8 +164,8 @@ def main() -> None:
 
     from opsd.config import load_config
     from opsd.data import load_examples
+    from opsd.devices import resolve_device
     from opsd.fetch import cached_model_path
-    from opsd.models import resolve_device
     from opsd.precision import compute_dtype, dtype_name
     from opsd.trainer import Trainer
 

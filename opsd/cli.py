@@ -26,8 +26,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from opsd.config import load_config
+    from opsd.devices import resolve_device
     from opsd.distributed import init_distributed, shutdown
-    from opsd.models import resolve_device
     from opsd.trainer import Trainer
 
     overrides = list(args.overrides)

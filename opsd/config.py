@@ -6,7 +6,6 @@ combinations that make no sense are rejected with the reason before any model is
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from opsd.data.prompts import DEFAULT_INSTRUCTION, DEFAULT_TEACHER_TEMPLATE
+from opsd.devices import check_device_setting
 from opsd.errors import UserError
 from opsd.loss.spec import CLIP_MODES, MODES, REDUCTIONS, DistillSpec
 
@@ -222,9 +222,7 @@ class Config(_Section):
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", v):
-            raise ValueError("must be auto, cpu, cuda or cuda:N")
-        return v
+        return check_device_setting(v)
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from opsd.devices import resolve_device
 from opsd.errors import UserError
 
 if TYPE_CHECKING:
@@ -82,30 +83,6 @@ def _torchrun_env() -> dict[str, int] | None:
         raise UserError(f"torchrun environment is not integers: {values}") from None
 
 
-def _resolve_device(device: str, local_rank: int, launched: bool) -> torch.device:
-    if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
-        raise UserError(f"device={device!r}: expected auto, cpu, cuda or cuda:N")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={device!r} but CUDA is not available on this machine; use device: cpu")
-    if not launched:
-        if device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(device)
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if device.startswith("cuda:"):
-        raise UserError(
-            f"device={device!r} pins every rank to one GPU; under torchrun use device: cuda or auto "
-            "(rank r uses cuda:LOCAL_RANK)"
-        )
-    if local_rank >= torch.cuda.device_count():
-        raise UserError(
-            f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
-            "set --nproc-per-node to at most the GPU count"
-        )
-    return torch.device("cuda", local_rank)
-
-
 def init_distributed(device: str, *, replicate: int = 1, timeout_s: float | None = None) -> Dist:
     """Read torchrun's environment, pick this rank's device and create the process group and mesh.
 
@@ -116,8 +93,8 @@ def init_distributed(device: str, *, replicate: int = 1, timeout_s: float | None
     """
     env = _torchrun_env()
     if env is None:
-        return Dist(device=use_device(_resolve_device(device, 0, launched=False)))
-    dev = _resolve_device(device, env["LOCAL_RANK"], launched=True)
+        return Dist(device=use_device(resolve_device(device)))
+    dev = resolve_device(device, local_rank=env["LOCAL_RANK"])
     if not _initialized():
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
         if dev.type == "cuda":

@@ -391,16 +391,6 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return dict(merged_weights(model))
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` picks CUDA when there is one; asking for CUDA without one is a user error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        build = "a CPU-only torch build" if torch.version.cuda is None else "no visible CUDA device"
-        raise UserError(f"device={device}: this machine has {build}; use device=cpu or device=auto")
-    return torch.device(device)
-
-
 def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) -> int:
     """What a decoder's forward keeps for its backward, per token: about 8 hidden-size and 5
     intermediate-size vectors per layer (norms, q/k/v, attention output, residuals; gate, up, the

@@ -22,6 +22,7 @@ from opsd import checkpoint, distributed, metrics, models, parallel, precision
 from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.data.batching import pad_microbatches
+from opsd.devices import resolve_device
 from opsd.distributed import all_reduce_sum
 from opsd.errors import TrainingError
 from opsd.loss import LossStats, fused_linear_distill, fused_linear_policy_gradient, token_logprobs
@@ -96,7 +97,7 @@ class Trainer:
     ) -> None:
         self.cfg, self.dist = (
             cfg,
-            dist or distributed.Dist(device=distributed.use_device(models.resolve_device(cfg.device))),
+            dist or distributed.Dist(device=distributed.use_device(resolve_device(cfg.device))),
         )
         self.rank, self.world, self.device = self.dist.rank, self.dist.world_size, self.dist.device
         self.run_dir = Path(cfg.logging.run_dir)

@@ -1,0 +1,98 @@
+"""The device, one fact with one resolver: which device a setting names, whether this machine has it,
+and a description of the machine for the records that results carry.
+
+Every config that takes a device (``opsd train``'s ``device``, ``opsd eval``, ``opsd sft``) validates
+with :func:`check_device_setting` and resolves with :func:`resolve_device`; nothing else parses it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from typing import Any
+
+import torch
+
+from opsd.errors import UserError
+
+DEVICE_SETTINGS = "auto, cpu, cuda or cuda:N"
+_DEVICE_RE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+
+
+def check_device_setting(value: str) -> str:
+    """A pydantic validator's body: the setting's spelling, before anything is resolved."""
+    if not _DEVICE_RE.fullmatch(value):
+        raise ValueError(f"must be {DEVICE_SETTINGS}")
+    return value
+
+
+def resolve_device(setting: str, *, local_rank: int | None = None) -> torch.device:
+    """``auto`` picks CUDA when there is one; asking for CUDA without one is a user error.
+
+    ``local_rank``: this process's place on its node under torchrun, which then owns ``cuda:LOCAL_RANK``
+    (a ``cuda:N`` setting would pin every rank to one GPU, so it is refused there)."""
+    if not _DEVICE_RE.fullmatch(setting):
+        raise UserError(f"device={setting!r}: expected {DEVICE_SETTINGS}")
+    cuda = torch.cuda.is_available()
+    if setting.startswith("cuda") and not cuda:
+        build = "a CPU-only torch build" if torch.version.cuda is None else "no visible CUDA device"
+        raise UserError(f"device={setting}: this machine has {build}; use device=cpu or device=auto")
+    if setting == "cpu" or (setting == "auto" and not cuda):
+        return torch.device("cpu")
+    if local_rank is None:
+        return torch.device("cuda" if setting == "auto" else setting)
+    if setting.startswith("cuda:"):
+        raise UserError(
+            f"device={setting!r} pins every rank to one GPU; under torchrun use device: cuda or auto "
+            "(rank r uses cuda:LOCAL_RANK)"
+        )
+    if local_rank >= torch.cuda.device_count():
+        raise UserError(
+            f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are visible; "
+            "set --nproc-per-node to at most the GPU count"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def cpu_isa() -> str:
+    """What decides bf16 speed on a CPU: AMX, AVX512-BF16, or neither (bf16 emulated)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return "unknown"
+    if "amx_bf16" in flags:
+        return "AMX-BF16"
+    if "avx512_bf16" in flags:
+        return "AVX512-BF16"
+    if "avx512f" in flags:
+        return "AVX512, no bf16 units"
+    return "no AVX512, no bf16 units"
+
+
+def machine_info() -> dict[str, Any]:
+    """What a result needs to say about where it came from."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": cpu_name(),
+        "cpu_isa": cpu_isa(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
