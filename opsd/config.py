@@ -153,8 +153,11 @@ class ParallelConfig(_Section):
 
 
 class GRPOConfig(_Section):
-    grader: str = "math"  # math (math-verify), exact (final answer string), or "package.module:function"
+    grader: str = "math"  # opsd.grading.GRADERS (math, lenient) or "package.module:function"
     scale_rewards: bool = False  # divide advantages by the group's std (off, as in Dr. GRPO)
+    # > 0: add this times the distillation loss against the configured, privileged teacher (reward and
+    # distillation together); 0: GRPO alone, with no teacher and no solutions.
+    distill_coef: float = Field(0.0, ge=0)
 
 
 class OptimConfig(_Section):
@@ -248,7 +251,8 @@ class Config(_Section):
                 raise ValueError(
                     "objective=grpo needs data.answer_key (the field the reward is graded against)"
                 )
-        elif t.privileged and self.data.solution_key is None:
+        distills = self.objective == "opsd" or self.grpo.distill_coef > 0
+        if distills and t.privileged and self.data.solution_key is None:
             raise ValueError(
                 "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
             )

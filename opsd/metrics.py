@@ -145,6 +145,18 @@ class StepTimer:
     def __init__(self, sync: bool = False) -> None:
         self.times: dict[str, float] = {}
         self.sync = sync
+        self.started = time.perf_counter()
+
+    @classmethod
+    def for_step(cls, device: torch.device) -> StepTimer:
+        """A step's timer on ``device``: CUDA phases are synchronized, and its peak memory counts
+        from here (the step's own peak, not the run's)."""
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        return cls(sync=device.type == "cuda")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
     @contextmanager
     def __call__(self, name: str):

@@ -18,17 +18,18 @@ Reward = Callable[[str, str], float]
 def make_reward(grader: str) -> Reward:
     """``math`` (math-verify on the last ``\\boxed{}``), ``lenient`` (math-verify on the response's
     tail), or ``package.module:function``."""
-    if grader in ("math", "lenient"):
-        from opsd.grading import grade, grade_lenient
+    from opsd.grading import GRADERS
 
-        fn = grade if grader == "math" else grade_lenient
+    if grader in GRADERS:
+        fn = GRADERS[grader]
     else:
         module, _, name = grader.partition(":")
         try:
             fn = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError):
             raise UserError(
-                f"grpo.grader={grader!r}: expected math, lenient or an importable package.module:function"
+                f"grpo.grader={grader!r}: expected one of {sorted(GRADERS)} or an importable "
+                "package.module:function"
             ) from None
 
     def reward(response: str, answer: str) -> float:

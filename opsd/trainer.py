@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import warnings
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,61 +20,78 @@ from tqdm.auto import tqdm
 from opsd import checkpoint, distributed, metrics, models, parallel, precision
 from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
-from opsd.data.batching import pad_microbatches
+from opsd.data.batching import MicroBatch, pad_microbatches
 from opsd.devices import resolve_device
 from opsd.distributed import all_reduce_sum
 from opsd.errors import TrainingError
-from opsd.loss import LossStats, fused_linear_distill, fused_linear_policy_gradient, token_logprobs
+from opsd.loss import LossStats
+from opsd.objectives import Scores, make_objective
 from opsd.optim import make_optimizer
 from opsd.parallel import forward_hidden, full_head_weight, parallelize
-from opsd.rewards import flat_group_fraction, group_advantages, make_reward
-from opsd.rollout import SamplingParams, make_engine
+from opsd.rollout import Completion, SamplingParams, make_engine
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
 from opsd.teacher import Teacher
 
-__all__ = ["Trainer", "TrainingError", "forward_backward"]
+__all__ = ["StepOutputs", "Trainer", "TrainingError", "forward_backward"]
 
 
 def forward_backward(
     model,
-    teacher: Teacher,
+    teacher: Teacher | None,
     batches: list,
     loss_fn,
     *,
-    adv: list[float] | None = None,
+    scores: Scores | None = None,
     autocast=nullcontext,
     timer=None,
     backward: bool = True,
 ) -> tuple[Tensor, LossStats]:
     """The micro-batch loop of a step: per micro-batch, the teacher's hidden states (no grad) -> the
-    student's -> ``loss_fn(s_hidden, t_hidden, t_head, mb, adv)`` -> backward. Returns the summed loss
-    (float64, this rank's) and the loss statistics. ``backward=False`` computes the same numbers
-    without gradients (held-out divergence); ``adv``: GRPO's advantages per sample (no teacher);
+    student's -> ``loss_fn(s_hidden, t_hidden, t_head, mb, scores)`` -> backward. Returns the summed
+    loss (float64, this rank's) and the loss statistics. ``backward=False`` computes the same numbers
+    without gradients (held-out divergence); ``teacher=None``: an objective without a teacher (GRPO
+    alone); ``scores``: what the objective read from the rollouts, handed to ``loss_fn``;
     ``autocast``: a context for the forwards (one process's bf16 compute). The trainer's step, the
     distributed tests and bench/smollm2_opsd.py run it; no other copy of this loop exists."""
     timer = timer or metrics.StepTimer(sync=False)
-    loss_sum, stats = torch.zeros((), dtype=torch.float64), LossStats()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    stats = LossStats()
     with torch.enable_grad() if backward else torch.no_grad():
         for mb in batches:
-            with timer("teacher"), autocast():  # GRPO has no teacher
-                t_hidden, t_head = (
-                    (None, None)
-                    if adv is not None
-                    else teacher.score(mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
-                )
+            t_hidden, t_head = None, None
+            if teacher is not None:
+                with timer("teacher"), autocast():
+                    t_hidden, t_head = teacher.score(mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
             with timer("student"), autocast():
                 s_hidden = forward_hidden(model, mb.student_ids, mb.student_mask, mb.student_pos)
             with timer("loss"):
-                loss, st = loss_fn(s_hidden, t_hidden, t_head, mb, adv)
+                loss, st = loss_fn(s_hidden, t_hidden, t_head, mb, scores)
             if backward:
                 with timer("student"):
                     loss.backward()
             loss_sum += loss.detach().double().cpu()
-            stats.add(
-                st if mb.sample_indices else LossStats()
-            )  # a zero-weight padding micro-batch adds nothing
-    teacher.release()  # a sharded teacher network never runs backward, when FSDP would free its root
+            # A zero-weight padding micro-batch adds nothing.
+            stats.add(st if mb.sample_indices else LossStats())
+    if teacher is not None:
+        # A sharded teacher network never runs backward, when FSDP would free its root.
+        teacher.release()
     return loss_sum, stats
+
+
+@dataclass
+class StepOutputs:
+    """What one optimizer step produced on this rank; :meth:`Trainer.record` turns it into the
+    step's metrics over all ranks."""
+
+    completions: list[Completion]
+    example_indices: list[int]  # the example each prompt came from
+    batches: list[MicroBatch]
+    scores: Scores
+    loss_sum: Tensor  # global (summed over ranks)
+    stats: LossStats  # this rank's
+    grad_norm: Tensor
+    finite: bool
+    timer: metrics.StepTimer  # the phases' wall times
 
 
 class Trainer:
@@ -95,20 +111,21 @@ class Trainer:
         overwrite: bool = False,
         dist: distributed.Dist | None = None,
     ) -> None:
-        self.cfg, self.dist = (
-            cfg,
-            dist or distributed.Dist(device=distributed.use_device(resolve_device(cfg.device))),
-        )
-        self.rank, self.world, self.device = self.dist.rank, self.dist.world_size, self.dist.device
+        self.cfg = cfg
+        self.dist = dist or distributed.Dist(device=distributed.use_device(resolve_device(cfg.device)))
+        self.rank = self.dist.rank
+        self.world = self.dist.world_size
+        self.device = self.dist.device
         self.run_dir = Path(cfg.logging.run_dir)
-        torch.manual_seed(
-            cfg.seed
-        )  # the same on every rank: LoRA's initial weights must agree before sharding
+        # The same seed on every rank: LoRA's initial weights must agree before sharding.
+        torch.manual_seed(cfg.seed)
+        # What is trained for: distillation, GRPO, or both; it says what it needs from data and teacher.
+        self.objective = make_objective(cfg)
         # Run directory, data, tokenizer and model: a failure on any rank ends every rank with its message.
         distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
-        self.reward = make_reward(cfg.grpo.grader) if cfg.objective == "grpo" else None
         self.teacher = Teacher(
-            "live" if self.reward else cfg.teacher.mode,
+            # Without a teacher term, "live" holds no second copy of the weights and is never run.
+            cfg.teacher.mode if self.objective.uses_teacher else "live",
             self.model,
             lora=cfg.model.lora.enabled,
             ema_decay=cfg.teacher.ema_decay,
@@ -129,10 +146,10 @@ class Trainer:
         self.teacher.start()  # the EMA snapshot, of the student as sharded
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
-        self.spec, self.check_lp = cfg.loss.to_spec(cfg.rollout.temperature), cfg.rollout.checks_logprobs()
-        self.loss_mm = precision.loss_matmul_dtype(
-            self.precision, self.device
-        )  # bf16 products only on bf16 units
+        self.spec = cfg.loss.to_spec(cfg.rollout.temperature)
+        self.check_lp = cfg.rollout.checks_logprobs()
+        # The loss's matrix products in bf16 only on bf16 units.
+        self.loss_mm = precision.loss_matmul_dtype(self.precision, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         o = cfg.optim
         self.optimizer, self.scheduler = make_optimizer(
@@ -160,9 +177,8 @@ class Trainer:
             "rollout engine start",
         )
         self.engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it) ...
-        adam_bytes = (
-            2 * 4 * sum(parallel.local_numel(p) for p in self.params)
-        )  # ... and room for AdamW's moments
+        # ... and with room for AdamW's moments.
+        adam_bytes = 2 * 4 * sum(parallel.local_numel(p) for p in self.params)
         self.mb_tokens, why = models.microbatch_budget(
             o.max_tokens_per_microbatch,
             models.base_model(self.model).config,
@@ -171,14 +187,19 @@ class Trainer:
             cfg.model.gradient_checkpointing,
             reserve=adam_bytes,
         )
-        self.rank or print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
-        self.step_num, self.bad_steps, self.stop = 0, 0, GracefulStop()
+        if self.rank == 0:
+            print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
+        self.step_num = 0
+        self.bad_steps = 0
+        self.stop = GracefulStop()
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
         self.metrics = distributed.run_setup(lambda: self._start(resume), "run directory setup")
 
     def _load(self, resume: bool, overwrite: bool) -> None:
-        cfg, d, m = self.cfg, self.cfg.data, self.cfg.model
+        cfg = self.cfg
+        d = cfg.data
+        m = cfg.model
         self.prompts_per_rank = cfg.rollout.prompts_per_rank(self.world)
         if self.rank == 0:
             prepare_run_dir(
@@ -189,21 +210,21 @@ class Trainer:
             )
             checkpoint.clean_partial(self.run_dir)
         # Data: rows, a resumable cursor sharded by rank, prompts tokenized once per example.
-        grpo = cfg.objective == "grpo"  # the RL baseline: rewards from the answers, no privileged information
+        # Solutions only where a teacher reads them; answers where the objective grades against them.
+        privileged = cfg.teacher.privileged and self.objective.uses_teacher
         report = load_examples(
             d.path,
             problem_key=d.problem_key,
-            solution_key=d.solution_key if cfg.teacher.privileged and not grpo else None,
+            solution_key=d.solution_key if privileged else None,
             answer_key=d.answer_key,
             split=d.split,
             skip_bad_rows=d.skip_bad_rows,
             drop_empty_solution=d.drop_empty_solution,
-            require_answer=grpo,
+            require_answer=self.objective.needs_answers,
         )
         self.examples = report.examples
-        if (
-            cfg.teacher.solution_source == "other"
-        ):  # a control: each problem comes with the next row's solution
+        if cfg.teacher.solution_source == "other":
+            # A control: each problem comes with the next row's solution.
             self.examples = [
                 replace(ex, solution=self.examples[(i + 1) % len(self.examples)].solution)
                 for i, ex in enumerate(self.examples)
@@ -269,7 +290,7 @@ class Trainer:
                 attn_implementation=m.attn_implementation,
                 device=str(self.device),
             )
-            if cfg.teacher.mode == "external" and not grpo
+            if cfg.teacher.mode == "external" and self.objective.uses_teacher
             else None
         )
 
@@ -297,15 +318,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # The step
 
-    def step(self) -> dict:
-        """One optimizer step of OPSD. Returns the step's metrics."""
-        cfg, timer, t_start = (
-            self.cfg,
-            metrics.StepTimer(sync=self.device.type == "cuda"),
-            time.perf_counter(),
-        )
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+    def step(self) -> StepOutputs:
+        """One optimizer step of the objective (OPSD by default); :meth:`record` makes its metrics."""
+        timer = metrics.StepTimer.for_step(self.device)
 
         # 1-2. Draw this rank's share of the global batch; roll out n responses to each with the current weights.
         ex_idx = self.cursor.next_indices(self.prompts_per_rank)
@@ -325,52 +340,73 @@ class Trainer:
             for c in completions
             if c.token_ids
         ]
-        tokens, seqs = all_reduce_sum(
-            torch.tensor([sum(s.response_len for s in samples), len(samples)], dtype=torch.float64)
-        ).tolist()
-        adv = (
-            self.advantages(completions, ex_idx) if self.reward else None
-        )  # GRPO: group-relative, per sample
-        batches = pad_microbatches(
-            make_microbatches(  # padded to as many on every rank: FSDP's collectives match
-                samples,
-                max_tokens=self.mb_tokens,
-                min_real_frac=cfg.optim.min_real_token_frac,
-                pad_id=self.pad_id,
-                reduction=self.spec.reduction,
-                global_tokens=tokens,
-                global_seqs=seqs,
-                device=self.device,
-            ),
-            self.pad_id,
-            self.device,
-        )
+        # What the objective reads from the rollouts as a whole (GRPO: rewards, group advantages).
+        answers = [self.examples[i].answer for i in ex_idx]
+        scores = self.objective.score(completions, answers, self.decode)
+        batches = self.microbatches(samples)
 
-        # 4-7. Per micro-batch: the teacher scores the response, the student reads it, fused loss, backward.
-        loss_sum, stats = self.forward_backward(batches, adv, timer=timer)
+        # 4-7. Per micro-batch: the teacher scores the response, the student reads it, the loss, backward.
+        loss_sum, stats = self.forward_backward(batches, scores, timer=timer)
 
         # 8. Clip, AdamW, schedule, teacher update, weight sync (all skipped if anything is non-finite).
         with timer("optim"):
             loss_sum, grad_norm, finite = self.optimizer_step(loss_sum)
         self.step_num += 1
-        self._last = (completions, ex_idx)
-        return self._record(loss_sum, stats, grad_norm, finite, completions, batches, timer, t_start)
+        return StepOutputs(
+            completions=completions,
+            example_indices=ex_idx,
+            batches=batches,
+            scores=scores,
+            loss_sum=loss_sum,
+            stats=stats,
+            grad_norm=grad_norm,
+            finite=finite,
+            timer=timer,
+        )
+
+    def microbatches(self, samples: list) -> list[MicroBatch]:
+        """Pack this rank's samples into micro-batches within the token budget, weighted by the global
+        token and sequence counts, and padded to as many on every rank (FSDP's collectives match)."""
+        lens = [s.response_len for s in samples]
+        counts = torch.tensor([sum(lens), len(lens)], dtype=torch.float64)
+        tokens, seqs = all_reduce_sum(counts).tolist()
+        batches = make_microbatches(
+            samples,
+            max_tokens=self.mb_tokens,
+            min_real_frac=self.cfg.optim.min_real_token_frac,
+            pad_id=self.pad_id,
+            reduction=self.spec.reduction,
+            global_tokens=tokens,
+            global_seqs=seqs,
+            device=self.device,
+        )
+        return pad_microbatches(batches, self.pad_id, self.device)
 
     def forward_backward(
-        self, batches: list, adv: list[float] | None = None, *, timer=None, backward: bool = True
+        self, batches: list, scores: Scores | None = None, *, timer=None, backward: bool = True
     ) -> tuple[Tensor, LossStats]:
-        """This trainer's micro-batch loop (:func:`forward_backward`) with its model, teacher, loss and
-        mixed precision; ``backward=False`` computes the same numbers without gradients."""
+        """This trainer's micro-batch loop (:func:`forward_backward`) with its model, teacher, objective
+        and mixed precision; ``backward=False`` computes the same numbers without gradients."""
         return forward_backward(
             self.model,
-            self.teacher,
+            self.teacher if self.objective.uses_teacher else None,
             batches,
             self.loss,
-            adv=adv,
+            scores=scores or Scores(),
             autocast=self.autocast,
             timer=timer,
             backward=backward,
         )
+
+    def loss(self, s_hidden: Tensor, t_hidden: Tensor | None, t_head: Tensor | None, mb, scores: Scores):
+        """The objective's loss on one micro-batch, with this model's head and loss precision."""
+        head = full_head_weight(self.model)
+        return self.objective.loss(
+            s_hidden, t_hidden, t_head, mb, scores, head=head, matmul_dtype=self.loss_mm
+        )
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def autocast(self):
         """bf16 compute over float32 master weights in one process (FSDP2 casts the gathered weights
@@ -383,69 +419,6 @@ class Trainer:
         if par != "auto":
             return models.DTYPES[par]
         return self.precision.compute if self.precision.mixed else None
-
-    def loss(
-        self, s_hidden: Tensor, t_hidden: Tensor | None, t_head: Tensor | None, mb, adv: list[float] | None
-    ):
-        """The distillation loss against the teacher; with GRPO, the policy gradient ``-A log S(y)``."""
-        head, chunk, r = full_head_weight(self.model), self.cfg.loss.chunk_size, self.cfg.rollout
-        # The rollout check's log S(y) comes from the loss's own logits when they are tempered alike.
-        mine = None
-        if adv is None and mb.rollout_logprobs is not None and self.spec.temperature == r.temperature:
-            mine = torch.full_like(mb.rollout_logprobs, float("nan"))
-        if adv is None:
-            loss, st = fused_linear_distill(
-                s_hidden,
-                head,
-                t_hidden,
-                t_head,
-                mb.weights,
-                mb.targets,
-                self.spec,
-                chunk_size=chunk,
-                matmul_dtype=self.loss_mm,
-                target_logprobs=mine,
-            )
-        else:
-            a = mb.weights.new_tensor(
-                [adv[i] for i, n in zip(mb.sample_indices, mb.response_lens) for _ in range(n)]
-            )
-            loss, st = fused_linear_policy_gradient(
-                s_hidden,
-                head,
-                mb.targets,
-                mb.weights * a,
-                temperature=self.spec.temperature,
-                chunk_size=chunk,
-            )
-        if mb.rollout_logprobs is not None:  # the train/inference mismatch: engine's log S(y) against ours
-            if mine is None or bool(mine.isnan().any()):  # GRPO, another loss temperature, zero-weight rows
-                mine = token_logprobs(s_hidden, head, mb.targets, temperature=r.temperature, chunk_size=chunk)
-            st.logprob_gap, st.logprob_tokens = (
-                float((mine - mb.rollout_logprobs).abs().sum()),
-                float(mine.numel()),
-            )
-        return loss, st
-
-    def advantages(self, completions: list, ex_idx: list[int]) -> list[float]:
-        """Each response's reward (its grade against the answer) minus its group's mean, one entry per
-        non-empty response (the samples); records the step's mean reward and flat-group fraction."""
-        rewards = [
-            self.reward(
-                self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                self.examples[ex_idx[c.prompt_index]].answer,
-            )
-            for c in completions
-        ]
-        groups = [c.prompt_index for c in completions]
-        adv = group_advantages(rewards, groups, scale=self.cfg.grpo.scale_rewards)
-        self._grpo_sums = [
-            sum(rewards),
-            len(rewards),
-            flat_group_fraction(rewards, groups) * len(set(groups)),
-            len(set(groups)),
-        ]
-        return [a for a, c in zip(adv, completions) if c.token_ids]
 
     def rollout(self, prompts: list[list[int]]) -> list:
         """``rollout.n`` responses per prompt, seeded by step and rank: a resume samples what a run would have."""
@@ -485,48 +458,46 @@ class Trainer:
             )
         return loss_sum, grad_norm, finite
 
-    def _record(self, loss_sum, stats, grad_norm, finite, completions, batches, timer, t_start) -> dict:
-        """The step's metrics over all ranks, from one sum: loss statistics, token counts, prompt truncation,
-        and each rank's response lengths and truncation flags in its own slots (all ranks have as many)."""
-        n, work = (
-            len(completions),
-            [f"{k}_{w}_tokens" for k in ("teacher", "student") for w in ("real", "padded")],
-        )
+    def record(self, out: StepOutputs) -> dict:
+        """The step's metrics over all ranks, from one sum of named fields (every rank calls it): loss
+        statistics, token counts, prompt truncation, the objective's sums, and each rank's response
+        lengths and truncation flags in its own slots (all ranks have as many)."""
+        sums = asdict(out.stats)
+        for side in ("teacher", "student"):
+            for kind in ("real", "padded"):
+                name = f"{side}_{kind}_tokens"
+                sums[name] = sum(getattr(mb, name) for mb in out.batches)
+        for side, count in self.prompts.truncated.items():
+            sums[f"prompt_truncated_{side}"] = count
+        sums.update(out.scores.sums)
+        n = len(out.completions)
         mine = torch.zeros(self.world, n, 2, dtype=torch.float64)
-        mine[self.rank] = torch.tensor([[len(c.token_ids), c.finish_reason == "length"] for c in completions])
-        counts = [sum(getattr(mb, w) for mb in batches) for w in work] + list(self.prompts.truncated.values())
-        counts += self._grpo_sums if self.reward else []  # reward sum and count, flat groups and groups
-        parts = [stats.as_tensor(), torch.tensor(counts, dtype=torch.float64), mine.flatten()]
-        total, counts, per_sample = all_reduce_sum(torch.cat(parts)).split([len(x) for x in parts])
-        stats, grpo, counts = (
-            LossStats.from_tensor(total),
-            counts[6:].tolist(),
-            [int(x) for x in counts[:6].tolist()],
-        )
-        lens, cut = per_sample.view(-1, 2).long().T.tolist()
+        per_sample = [[len(c.token_ids), c.finish_reason == "length"] for c in out.completions]
+        mine[self.rank] = torch.tensor(per_sample)
+        packed = torch.cat([torch.tensor(list(sums.values()), dtype=torch.float64), mine.flatten()])
+        reduced = all_reduce_sum(packed)
+        total = dict(zip(sums, reduced[: len(sums)].tolist()))
+        lens, cut = reduced[len(sums) :].view(-1, 2).long().T.tolist()
+        stats = LossStats(**{k: total[k] for k in asdict(out.stats)})
         rec = metrics.step_record(
             step=self.step_num,
-            loss=float(loss_sum),
+            loss=float(out.loss_sum),
             loss_stats=stats.means(),
-            grad_norm=float(grad_norm),
+            grad_norm=float(out.grad_norm),
             lr=self.scheduler.get_last_lr()[0],
             response_lens=lens,
             truncated=sum(cut),
             tokens=int(stats.tokens),
-            real_tokens={"teacher": counts[0], "student": counts[2]},
-            padded_tokens={"teacher": counts[1], "student": counts[3]},
-            skipped=not finite,
-            prompt_truncated=dict(zip(self.prompts.truncated, counts[4:])),
+            real_tokens={side: int(total[f"{side}_real_tokens"]) for side in ("teacher", "student")},
+            padded_tokens={side: int(total[f"{side}_padded_tokens"]) for side in ("teacher", "student")},
+            skipped=not out.finite,
+            prompt_truncated={s: int(total[f"prompt_truncated_{s}"]) for s in self.prompts.truncated},
             epoch=self.cursor.epoch,
-            times=timer.times,
-            elapsed=time.perf_counter() - t_start,
+            times=out.timer.times,
+            elapsed=out.timer.elapsed(),
             peak_mem_gb=metrics.peak_memory_gb(self.device),
         )
-        return rec | (
-            {"reward_mean": grpo[0] / max(1, grpo[1]), "flat_group_frac": grpo[2] / max(1, grpo[3])}
-            if grpo
-            else {}
-        )
+        return rec | self.objective.metrics(total)
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -555,35 +526,20 @@ class Trainer:
         try:
             with self.stop:
                 while self.step_num < end:
-                    rec = self.step()
+                    out = self.step()
+                    rec = self.record(out)
                     if cfg.eval.every and self.step_num % cfg.eval.every == 0:
                         rec.update(self.evaluate())
                     history.append(rec)
-                    self._log(rec, bar)
-                    if self.bad_steps >= cfg.optim.max_bad_steps:
-                        raise TrainingError(
-                            f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (limit "
-                            f"optim.max_bad_steps={cfg.optim.max_bad_steps}); stopping. Last good checkpoint: "
-                            f"{checkpoint.latest_checkpoint(self.run_dir) or 'none yet'}. Try a lower optim.lr, "
-                            "loss.clip, or model.dtype=float32."
-                        )
-                    if distributed.any_rank(
-                        self.stop.requested is not None
-                    ):  # a signal on any rank stops all after this step
+                    self._log(rec, out, bar)
+                    self._check_bad_steps()
+                    # A signal on any rank stops all of them after this step.
+                    if distributed.any_rank(self.stop.requested is not None):
                         self.stop.requested = self.stop.requested or "a signal to another rank"
-                    every = cfg.checkpoint.every if cfg.checkpoint.enabled else 0
-                    due = cfg.checkpoint.enabled and (
-                        (every and self.step_num % every == 0) or self.step_num == end or self.stop.requested
-                    )
-                    if due and self.bad_steps == 0:
+                    if self._checkpoint_due(end) and self.bad_steps == 0:
                         self.save()
                     if self.stop.requested:
-                        if self.rank == 0:
-                            print(
-                                f"\nstopped by {self.stop.requested} after step {self.step_num}; resume with:\n"
-                                f"  opsd train --resume {self.run_dir}",
-                                file=sys.stderr,
-                            )
+                        self._say_stopped()
                         break
         finally:
             bar.close()
@@ -591,21 +547,47 @@ class Trainer:
                 self.metrics.close()
         return history
 
+    def _check_bad_steps(self) -> None:
+        limit = self.cfg.optim.max_bad_steps
+        if self.bad_steps < limit:
+            return
+        last = checkpoint.latest_checkpoint(self.run_dir) or "none yet"
+        raise TrainingError(
+            f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (limit "
+            f"optim.max_bad_steps={limit}); stopping. Last good checkpoint: {last}. "
+            "Try a lower optim.lr, loss.clip, or model.dtype=float32."
+        )
+
+    def _checkpoint_due(self, end: int) -> bool:
+        c = self.cfg.checkpoint
+        if not c.enabled:
+            return False
+        periodic = c.every and self.step_num % c.every == 0
+        return bool(periodic or self.step_num == end or self.stop.requested)
+
+    def _say_stopped(self) -> None:
+        if self.rank == 0:
+            print(
+                f"\nstopped by {self.stop.requested} after step {self.step_num}; resume with:\n"
+                f"  opsd train --resume {self.run_dir}",
+                file=sys.stderr,
+            )
+
     stopped = property(
         lambda self: self.stop.requested is not None, doc="The last ``train()`` ended on a signal."
     )
 
-    def _log(self, rec: dict, bar) -> None:
+    def _log(self, rec: dict, out: StepOutputs, bar) -> None:
         if self.metrics is not None:
             self.metrics.write(rec)
             metrics.show_step(bar, rec, lines=self.cfg.logging.step_lines)
             if self.cfg.logging.sample_every and rec["step"] % self.cfg.logging.sample_every == 0:
-                shown = self._last[0][: self.cfg.logging.num_samples]
+                shown = out.completions[: self.cfg.logging.num_samples]
                 metrics.write_samples(
                     self.run_dir / "samples.jsonl",
                     rec["step"],
-                    [self.examples[self._last[1][c.prompt_index]] for c in shown],
-                    [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in shown],
+                    [self.examples[out.example_indices[c.prompt_index]] for c in shown],
+                    [self.decode(c.token_ids) for c in shown],
                     [c.finish_reason for c in shown],
                     show=self.cfg.logging.step_lines,
                 )

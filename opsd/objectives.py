@@ -1,0 +1,204 @@
+"""What varies per training objective, behind one small interface the trainer's step calls.
+
+- :class:`Distillation` (``objective: opsd``): the student matches the privileged teacher's
+  next-token distribution at each of its own tokens (the fused divergence kernels).
+- :class:`GRPO` (``objective: grpo``): the RL baseline, ``-A log S(y)`` with group-relative reward
+  advantages. With ``grpo.distill_coef > 0`` it adds that coefficient times the distillation loss
+  against the configured (privileged) teacher: reward and distillation together, as slime's
+  ``--opd-kl-coef`` and verl's distillation coefficient do.
+
+An objective says what it needs (``uses_teacher``: the teacher scores every micro-batch;
+``needs_answers``: rows must carry a gradable answer), reads the step's rollouts once
+(:meth:`score`: advantages and metric sums), computes each micro-batch's loss (:meth:`loss`) and
+turns the all-reduced sums into metrics (:meth:`metrics`). The trainer holds no objective branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import Tensor
+
+from opsd.loss import LossStats, fused_linear_distill, fused_linear_policy_gradient, token_logprobs
+from opsd.loss.spec import DistillSpec
+from opsd.rewards import flat_group_fraction, group_advantages, make_reward
+
+if TYPE_CHECKING:
+    from opsd.config import Config
+    from opsd.data.batching import MicroBatch
+    from opsd.rollout import Completion
+
+
+@dataclass
+class Scores:
+    """What an objective read from one step's rollouts on this rank: an advantage per sample (each
+    non-empty response, in order) and the sums its metrics are made of (summed over ranks)."""
+
+    advantages: list[float] | None = None
+    sums: dict[str, float] = field(default_factory=dict)
+
+
+class Objective(Protocol):
+    uses_teacher: bool
+    needs_answers: bool
+
+    def score(self, completions: list[Completion], answers: list[str], decode: Callable) -> Scores: ...
+
+    def loss(
+        self,
+        s_hidden: Tensor,
+        t_hidden: Tensor | None,
+        t_head: Tensor | None,
+        mb: MicroBatch,
+        scores: Scores,
+        *,
+        head: Tensor,
+        matmul_dtype: torch.dtype | None,
+    ) -> tuple[Tensor, LossStats]: ...
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]: ...
+
+
+@dataclass
+class Distillation:
+    """On-policy self-distillation: the divergence of :class:`DistillSpec` against the teacher's
+    hidden states, a chunk of logits at a time. ``sampling_temperature``: the rollout's, which the
+    engine's log-probs (``rollout.logprob_check``) are tempered by."""
+
+    spec: DistillSpec
+    chunk_size: int | None
+    sampling_temperature: float
+    uses_teacher: bool = True
+    needs_answers: bool = False
+
+    def score(self, completions: list[Completion], answers: list[str], decode: Callable) -> Scores:
+        return Scores()
+
+    def loss(self, s_hidden, t_hidden, t_head, mb, scores, *, head, matmul_dtype):
+        # The check's log S(y) comes from the loss's own logits when they are tempered alike.
+        same_t = self.spec.temperature == self.sampling_temperature
+        mine = None
+        if mb.rollout_logprobs is not None and same_t:
+            mine = torch.full_like(mb.rollout_logprobs, float("nan"))
+        loss, stats = fused_linear_distill(
+            s_hidden,
+            head,
+            t_hidden,
+            t_head,
+            mb.weights,
+            mb.targets,
+            self.spec,
+            chunk_size=self.chunk_size,
+            matmul_dtype=matmul_dtype,
+            target_logprobs=mine,
+        )
+        check_rollout_logprobs(stats, mb, s_hidden, head, mine, self.sampling_temperature, self.chunk_size)
+        return loss, stats
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return {}
+
+
+@dataclass
+class GRPO:
+    """Group-relative policy gradient from graded rewards (fully on-policy: one optimizer step per
+    rollout batch, so no importance ratio), plus ``distill_coef`` times :class:`Distillation`'s
+    loss when it is positive (the teacher then scores every micro-batch, with privileged context)."""
+
+    reward: Callable[[str, str], float]
+    scale_rewards: bool
+    temperature: float
+    chunk_size: int | None
+    distill: Distillation
+    distill_coef: float = 0.0
+    needs_answers: bool = True
+
+    @property
+    def uses_teacher(self) -> bool:
+        return self.distill_coef > 0
+
+    def score(self, completions: list[Completion], answers: list[str], decode: Callable) -> Scores:
+        """Each response's reward (its grade against its problem's answer) minus its group's mean, one
+        per sample; the sums of the step's mean reward and flat-group fraction."""
+        rewards = [self.reward(decode(c.token_ids), answers[c.prompt_index]) for c in completions]
+        groups = [c.prompt_index for c in completions]
+        adv = group_advantages(rewards, groups, scale=self.scale_rewards)
+        n_groups = len(set(groups))
+        sums = {
+            "reward_sum": sum(rewards),
+            "reward_count": len(rewards),
+            "flat_groups": flat_group_fraction(rewards, groups) * n_groups,
+            "groups": n_groups,
+        }
+        return Scores([a for a, c in zip(adv, completions) if c.token_ids], sums)
+
+    def loss(self, s_hidden, t_hidden, t_head, mb, scores, *, head, matmul_dtype):
+        per_token = [
+            scores.advantages[i] for i, n in zip(mb.sample_indices, mb.response_lens) for _ in range(n)
+        ]
+        adv = mb.weights.new_tensor(per_token)
+        loss, stats = fused_linear_policy_gradient(
+            s_hidden,
+            head,
+            mb.targets,
+            mb.weights * adv,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+        )
+        if not self.uses_teacher:
+            t = self.distill.sampling_temperature
+            check_rollout_logprobs(stats, mb, s_hidden, head, None, t, self.chunk_size)
+            return loss, stats
+        # The distillation term's statistics (divergence, clipping, agreement) are the step's.
+        distill_loss, stats = self.distill.loss(
+            s_hidden, t_hidden, t_head, mb, scores, head=head, matmul_dtype=matmul_dtype
+        )
+        return loss + self.distill_coef * distill_loss, stats
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return {
+            "reward_mean": sums["reward_sum"] / max(1.0, sums["reward_count"]),
+            "flat_group_frac": sums["flat_groups"] / max(1.0, sums["groups"]),
+        }
+
+
+def check_rollout_logprobs(
+    stats: LossStats,
+    mb: MicroBatch,
+    s_hidden: Tensor,
+    head: Tensor,
+    mine: Tensor | None,
+    temperature: float,
+    chunk_size: int | None,
+) -> None:
+    """The train/inference mismatch: the engine's log S(y) against the trainer's, summed into
+    ``stats``. ``mine``: the trainer's values if a loss kernel already filled them (rows it skipped,
+    at weight 0, stay NaN and are recomputed here with one more head product)."""
+    if mb.rollout_logprobs is None:
+        return
+    if mine is None or bool(mine.isnan().any()):
+        mine = token_logprobs(s_hidden, head, mb.targets, temperature=temperature, chunk_size=chunk_size)
+    stats.logprob_gap = float((mine - mb.rollout_logprobs).abs().sum())
+    stats.logprob_tokens = float(mine.numel())
+
+
+def make_objective(cfg: Config) -> Objective:
+    """``cfg.objective`` as an object, its options bound once."""
+    distill = Distillation(
+        spec=cfg.loss.to_spec(cfg.rollout.temperature),
+        chunk_size=cfg.loss.chunk_size,
+        sampling_temperature=cfg.rollout.temperature,
+    )
+    if cfg.objective == "opsd":
+        return distill
+    return GRPO(
+        reward=make_reward(cfg.grpo.grader),
+        scale_rewards=cfg.grpo.scale_rewards,
+        temperature=distill.spec.temperature,
+        chunk_size=cfg.loss.chunk_size,
+        distill=distill,
+        distill_coef=cfg.grpo.distill_coef,
+    )
