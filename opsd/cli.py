@@ -70,7 +70,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "train": ("run on-policy self-distillation", "opsd.cli", "_add_train_arguments", "_run_train"),
     "eval": (
         "accuracy of one or more models on a math dataset (math-verify grading)",
-        "opsd.eval",
+        "opsd.eval.cli",
         "add_eval_arguments",
         "run_eval",
     ),

@@ -115,6 +115,15 @@ class LossConfig(_Section):
     reduction: Literal[REDUCTIONS] = "token"
     chunk_size: int | None = Field(None, ge=1)
 
+    @model_validator(mode="after")
+    def _spec(self) -> LossConfig:
+        # DistillSpec holds the combination rules (opsd/loss/spec.py); restating them here would drift.
+        try:
+            self.to_spec(1.0)
+        except UserError as e:
+            raise ValueError(str(e)) from None
+        return self
+
     def to_spec(self, rollout_temperature: float) -> DistillSpec:
         """The loss's spec; the temperature defaults to the rollout's sampling one (1.0 for greedy)."""
         return DistillSpec(
@@ -256,11 +265,6 @@ class Config(_Section):
             raise ValueError(
                 "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
             )
-        lc = self.loss
-        if lc.mode == "topk" and lc.topk < 1:
-            raise ValueError("loss.mode=topk needs loss.topk >= 1")
-        if lc.mode == "sampled" and lc.clip_mode != "none":
-            raise ValueError("loss.mode=sampled needs loss.clip_mode=none (it has no per-entry divergence)")
         r = self.rollout
         if r.engine == "vllm_server":
             raise ValueError(

@@ -32,6 +32,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from opsd.distributed import rank_world
 from opsd.errors import UserError
 from opsd.models import merged_weight_names, merged_weights
 from opsd.parallel import gathered
@@ -39,6 +40,7 @@ from opsd.precision import dtype_name
 
 if TYPE_CHECKING:
     from opsd.config import RolloutConfig
+    from opsd.distributed import Dist
 
 log = logging.getLogger(__name__)
 
@@ -416,6 +418,8 @@ class VLLMEngine:
         max_num_seqs: int | None = None,
         sleep_level: int = 2,
         llm_kwargs: Mapping[str, Any] | None = None,
+        world_size: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if sleep_level not in (0, 1, 2):
             raise UserError(f"rollout.vllm_sleep_level={sleep_level} must be 0 (off), 1 or 2")
@@ -423,7 +427,8 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         tp = tensor_parallel_size
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        # The trainer's ranks (opsd.distributed.Dist); without them, the process group's.
+        world = world_size if world_size is not None else rank_world()[1]
         if world == 1 and tp > 1:
             raise UserError(
                 f"rollout.tensor_parallel_size={tp} needs torchrun with a multiple of {tp} ranks "
@@ -468,7 +473,10 @@ class VLLMEngine:
         self.sleep_level, self.asleep, self._reload_on_wake = sleep_level, False, False
         self.vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
         cuda = torch.cuda.is_available() and not current_platform.is_cpu()
-        self._cuda = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
+        self._cuda = None
+        if cuda:
+            on_cuda = device is not None and device.type == "cuda"
+            self._cuda = device if on_cuda else torch.device("cuda", torch.cuda.current_device())
         kwargs = dict(
             model=str(path),
             tokenizer=str(path),
@@ -635,6 +643,7 @@ def make_engine(
     model_path: str | None = None,
     compute_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
+    ranks: Dist | None = None,
 ) -> RolloutEngine:
     """The engine the rollout config asks for, on `model` (the trainer's live model object).
 
@@ -642,6 +651,7 @@ def make_engine(
     directory vLLM loads the architecture from (default: where `model` was loaded from).
     `compute_dtype` is vLLM's dtype when rollout.vllm_dtype is auto (the trainer's compute dtype, not
     the float32 of master weights); `autocast_dtype` makes the HF engine generate under autocast.
+    `ranks`: this process's place among the trainer's ranks (one engine per rank under torchrun).
     """
     if rollout.engine == "hf":
         return HFEngine(model, tokenizer, batch_size=rollout.batch_size, autocast_dtype=autocast_dtype)
@@ -663,5 +673,7 @@ def make_engine(
             max_num_seqs=rollout.batch_size,
             sleep_level=rollout.vllm_sleep_level,
             llm_kwargs=rollout.vllm_kwargs,
+            world_size=ranks.world_size if ranks is not None else None,
+            device=ranks.device if ranks is not None else None,
         )
     raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm']")

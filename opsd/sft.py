@@ -16,13 +16,14 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from opsd.data import DEFAULT_INSTRUCTION, student_prompt_ids
 from opsd.data.batching import pad_right, response_positions
+from opsd.devices import check_device_setting
 from opsd.models import final_hidden, head_weight
 from opsd.optim import make_optimizer
 
@@ -149,11 +150,16 @@ class SFTConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     seed: int = 0
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (opsd.devices)
     out: str  # where to save the fine-tuned model (HF format)
     model: SFTModelConfig
     data: SFTDataConfig
     optim: SFTOptimConfig = SFTOptimConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        return check_device_setting(v)
 
     @model_validator(mode="before")
     @classmethod
@@ -220,7 +226,8 @@ def sft_pairs_from_examples(
 def run_sft(args: argparse.Namespace) -> int:
     from opsd.config import load_config
     from opsd.data import load_examples
-    from opsd.eval import flag_overrides
+    from opsd.devices import resolve_device
+    from opsd.eval.cli import flag_overrides
     from opsd.models import load_model, load_tokenizer
     from opsd.precision import resolve
 
@@ -228,10 +235,10 @@ def run_sft(args: argparse.Namespace) -> int:
     d, o = cfg.data, cfg.optim
     rep = load_examples(d.path, problem_key=d.problem_key, solution_key=d.solution_key, split=d.split)
     tok = load_tokenizer(cfg.model.path)
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    prec = resolve(cfg.model.dtype, torch.device(device), full_finetune=True, pure_bf16=cfg.model.pure_bf16)
+    device = resolve_device(cfg.device)
+    prec = resolve(cfg.model.dtype, device, full_finetune=True, pure_bf16=cfg.model.pure_bf16)
     print(f"precision: {prec.describe()}", file=sys.stderr)
-    model = load_model(cfg.model.path, dtype=prec.storage, device=device)
+    model = load_model(cfg.model.path, dtype=prec.storage, device=str(device))
     pairs = sft_pairs_from_examples(
         tok, rep.examples, instruction=d.instruction, enable_thinking=d.student_thinking, max_len=d.max_len
     )

@@ -173,6 +173,7 @@ class Trainer:
                 max_prompt_len=cfg.data.max_prompt_len,
                 compute_dtype=self.precision.compute,
                 autocast_dtype=amp,
+                ranks=self.dist,
             ),
             "rollout engine start",
         )

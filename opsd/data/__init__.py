@@ -20,7 +20,8 @@ from opsd.data.prompts import (
     student_prompt_ids,
     teacher_prompt_ids,
 )
-from opsd.data.sources import FILE_SUFFIXES, DataCursor, Example, LoadReport, load_examples
+from opsd.data.sampler import DataCursor
+from opsd.data.sources import FILE_SUFFIXES, Example, LoadReport, load_examples
 
 if TYPE_CHECKING:
     from opsd.data.batching import (

@@ -82,7 +82,8 @@ def build_tokenizer():
 
 
 def prompt_ids(tok, row: dict, *, with_solution: bool) -> list[int]:
-    """The prompts training uses: the student's (problem only) or the teacher's (problem + worked solution)."""
+    """The prompts training uses: the student's (problem only) or the teacher's (problem + worked
+    solution)."""
     if with_solution:
         return teacher_prompt_ids(
             tok, row["problem"], row["solution"], template=TEACHER_TEMPLATE, instruction=""

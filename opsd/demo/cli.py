@@ -31,7 +31,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         "--steps",
         type=int,
         default=None,
-        help=f"optimizer steps (default {DemoSettings.opsd_steps}; --compare: {run.COMPARE_STEPS} for each method)",
+        help=f"optimizer steps (default {DemoSettings.opsd_steps}; "
+        f"--compare: {run.COMPARE_STEPS} for each method)",
     )
     p.add_argument(
         "--run-dir", type=Path, default=None, help="default: runs/demo[-control]-seedN, runs/demo-compare"
@@ -83,12 +84,10 @@ def _run_one(args: argparse.Namespace) -> int:
     print()
     print(run.format_table(r))
     print(f"plot: {r['plot']}")
-    print(
-        f"run directory: {run_dir} ({r['seconds']:.0f} s, of which base model {r['seconds_base_model']:.0f} s)"
-    )
-    print(
-        f"training alone again: opsd train --config {run_dir / 'config.yaml'} logging.run_dir=runs/opsd-demo-again"
-    )
+    seconds, base_seconds = r["seconds"], r["seconds_base_model"]
+    print(f"run directory: {run_dir} ({seconds:.0f} s, of which base model {base_seconds:.0f} s)")
+    again = f"opsd train --config {run_dir / 'config.yaml'} logging.run_dir=runs/opsd-demo-again"
+    print(f"training alone again: {again}")
     return 0
 
 
@@ -96,11 +95,13 @@ def _run_compare(args: argparse.Namespace) -> int:
     s = DemoSettings(opsd_steps=args.steps or run.COMPARE_STEPS)
     seeds = args.seeds or [args.seed]
     out = args.run_dir or Path("runs") / "demo-compare"
+    n = s.prompts_per_step
     print(
         f"opsd demo --compare: {s.digits}-digit addition, tiny Llama ({s.layers}x{s.hidden}), seeds "
-        f"{','.join(map(str, seeds))}; {s.opsd_steps} optimizer steps each: OPSD ({s.prompts_per_step} problems x 1 "
-        f"sample), GRPO ({compare.grpo_prompts(s)} problems x {s.grpo_n} samples, lr {s.grpo_lr}), SFT ({s.prompts_per_step} worked "
-        "solutions), control A (teacher without the solution), control B (another problem's solution)",
+        f"{','.join(map(str, seeds))}; {s.opsd_steps} optimizer steps each: OPSD ({n} problems x 1 "
+        f"sample), GRPO ({compare.grpo_prompts(s)} problems x {s.grpo_n} samples, lr {s.grpo_lr}), "
+        f"SFT ({n} worked solutions), control A (teacher without the solution), "
+        "control B (another problem's solution)",
         file=sys.stderr,
     )
     r = compare.run_compare(s, seeds, out, cache=args.cache)

@@ -243,9 +243,9 @@ def format_compare_table(result: dict) -> str:
     s, seeds = result["settings"], result["seeds"]
     before = [sd["student_before"] for sd in seeds]
     arms = list(dict.fromkeys(a["arm"] for sd in seeds for a in sd["arms"]))
-    many = len(seeds) > 1
+    per_seed = " (mean, then per seed)" if len(seeds) > 1 else ""
     lines = [
-        f"| method | held-out accuracy after {s['opsd_steps']} steps{' (mean, then per seed)' if many else ''} "
+        f"| method | held-out accuracy after {s['opsd_steps']} steps{per_seed} "
         "| gain (points) | generated tokens | training wall time |",
         "|---|---|---|---|---|",
         f"| base model, before training | {_pct(before)} | | | |",

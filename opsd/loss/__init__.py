@@ -27,14 +27,16 @@ sequence count (``"sequence"``) makes gradient accumulation and data parallelism
 of one big batch; the batching layer computes them.
 
 All options travel in one frozen :class:`DistillSpec` (``spec.py``), validated when it is built.
-Three implementations:
+Two implementations, each a table keyed by mode:
 
-* :func:`distill_loss_dense` (``reference.py``) -- the oracle: autograd over ``[N, V]`` logits.
-* :func:`fused_linear_distill` (``fused.py``) -- what training uses: takes final hidden states
-  and lm_head weights, walks rows in chunks, never holds more than one chunk of logits per
-  model, and computes analytic gradients (no autograd graph over ``[N, V]``).
-* :func:`vocab_parallel_distill` (``vocab_parallel.py``) -- logits sharded over a
-  tensor-parallel group.
+* :func:`distill_loss_dense` (``reference.py``, ``DENSE``) -- the oracle: autograd over ``[N, V]``
+  logits.
+* :func:`fused_linear_distill` (``fused.py``, ``KERNELS``) -- what training uses: takes final
+  hidden states and lm_head weights, walks rows in chunks, never holds more than one chunk of
+  logits per model, and computes analytic gradients (no autograd graph over ``[N, V]``).
+
+The seed's vocab-parallel kernel (logits sharded over a tensor-parallel group) is not here: opsd
+shards with FSDP2, whose gathered head is whole on every rank, so nothing would call it.
 
 And the GRPO objective's :func:`fused_linear_policy_gradient` (``policy_gradient.py``), the
 sampled-token kernel with a given advantage.
@@ -54,14 +56,12 @@ if TYPE_CHECKING:
     from opsd.loss.fused import auto_chunk_size, fused_linear_distill
     from opsd.loss.policy_gradient import fused_linear_policy_gradient, token_logprobs
     from opsd.loss.reference import distill_loss_dense, per_token_loss_dense
-    from opsd.loss.vocab_parallel import vocab_parallel_distill
 
 _LAZY = {
     "fused_linear_distill": "fused",
     "auto_chunk_size": "fused",
     "distill_loss_dense": "reference",
     "per_token_loss_dense": "reference",
-    "vocab_parallel_distill": "vocab_parallel",
     "fused_linear_policy_gradient": "policy_gradient",
     "token_logprobs": "policy_gradient",
 }
@@ -78,7 +78,6 @@ __all__ = [
     "fused_linear_distill",
     "per_token_loss_dense",
     "token_logprobs",
-    "vocab_parallel_distill",
 ]
 
 

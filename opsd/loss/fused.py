@@ -130,11 +130,11 @@ def _clip(
 
 
 def _divergence_chunk(
-    a: Tensor, b: Tensor, w: Tensor, spec: DistillSpec, *, need_grad: bool, with_stats: bool
+    a: Tensor, b: Tensor, y: Tensor | None, w: Tensor, spec: DistillSpec, *, need_grad: bool, with_stats: bool
 ) -> tuple[Tensor, Tensor | None, LossStats]:
     """Loss ``sum_n w_n L_n``, its gradient with respect to the student logits, and stats for one chunk.
 
-    ``L_n = JSD_beta`` between ``S = softmax(a)`` and ``P = softmax(b)`` (over the teacher's top-k
+    ``L_n = JSD_beta`` (the sampled tokens ``y`` are not used) between ``S = softmax(a)`` and ``P = softmax(b)`` (over the teacher's top-k
     for ``mode="topk"``; the other entries get no gradient), clipped per ``spec.clip_mode``.
     """
     log_s, log_p, idx, stats = _log_probs(a, b, spec, with_stats)
@@ -211,6 +211,14 @@ def _sampled_chunk(
         return loss, None, stats
     return loss, _grad_sampled(log_s.exp_(), y, adv * w[:, None] * (1.0 / spec.temperature)), stats
 
+
+# ---------------------------------------------------------------------------------------------
+# The loss modes, one chunk kernel each: ``(a, b, y, w, spec, *, need_grad, with_stats) -> (sum_n w_n
+# L_n, dL/da or None, stats)`` for tempered logits ``a``, ``b`` and sampled tokens ``y``. A new mode is
+# a kernel and an entry here, a dense reference in ``reference.DENSE`` and its name and option checks
+# in ``spec.py`` (docs/architecture.md).
+
+KERNELS = {"jsd": _divergence_chunk, "topk": _divergence_chunk, "sampled": _sampled_chunk}
 
 # ---------------------------------------------------------------------------------------------
 
@@ -381,10 +389,8 @@ def fused_linear_distill(
             target_logprobs.index_copy_(0, idx, lp.to(target_logprobs.dtype))
         w = w_all.index_select(0, idx)
         kw = dict(need_grad=need_grad_h or need_grad_w, with_stats=with_stats)
-        if spec.mode == "sampled":
-            loss, gz, st = _sampled_chunk(a, b, targets.index_select(0, idx), w, spec, **kw)
-        else:
-            loss, gz, st = _divergence_chunk(a, b, w, spec, **kw)
+        y = targets.index_select(0, idx) if targets is not None else None
+        loss, gz, st = KERNELS[spec.mode](a, b, y, w, spec, **kw)
         del a, b
         total += loss
         stats.add(st)

@@ -88,15 +88,28 @@ def per_token_loss_dense(
     dtype = compute_dtype(student_logits)
     a = student_logits.to(dtype) / spec.temperature
     b = teacher_logits.detach().to(dtype) / spec.temperature
-    if spec.mode == "topk":
-        idx = b.topk(spec.topk, dim=-1).indices
-        a, b = a.gather(-1, idx), b.gather(-1, idx)
+    return DENSE[spec.mode](a, b, targets, spec)
+
+
+def _dense_divergence(a: Tensor, b: Tensor, targets: Tensor | None, spec: DistillSpec) -> Tensor:
     log_s, log_p = a.log_softmax(-1), b.log_softmax(-1)
-    if spec.mode == "sampled":
-        ls_y = log_s.gather(-1, targets[:, None]).squeeze(-1)
-        lp_y = log_p.gather(-1, targets[:, None]).squeeze(-1)
-        return -(lp_y - ls_y).detach() * ls_y
     return clip_rows(pointwise(log_s, log_p, spec.beta), spec.clip_mode, spec.clip)
+
+
+def _dense_topk(a: Tensor, b: Tensor, targets: Tensor | None, spec: DistillSpec) -> Tensor:
+    idx = b.topk(spec.topk, dim=-1).indices
+    return _dense_divergence(a.gather(-1, idx), b.gather(-1, idx), targets, spec)
+
+
+def _dense_sampled(a: Tensor, b: Tensor, targets: Tensor, spec: DistillSpec) -> Tensor:
+    ls_y = a.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    lp_y = b.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    return -(lp_y - ls_y).detach() * ls_y
+
+
+# The loss modes' references, one per entry of opsd.loss.fused.KERNELS: ``(a, b, targets, spec) -> [N]``
+# per-token losses from tempered logits, by autograd.
+DENSE = {"jsd": _dense_divergence, "topk": _dense_topk, "sampled": _dense_sampled}
 
 
 def distill_loss_dense(

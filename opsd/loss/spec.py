@@ -49,9 +49,9 @@ class DistillSpec:
         if self.clip_mode != "none" and not self.clip >= 0:
             raise UserError(f"clip must be >= 0 when clip_mode={self.clip_mode!r}, got {self.clip}")
         if self.mode == "sampled" and self.clip_mode != "none":
-            raise UserError("clip_mode must be 'none' for mode='sampled' (there is no per-entry divergence)")
+            raise UserError("mode=sampled needs clip_mode=none (there is no per-entry divergence)")
         if self.mode == "topk" and self.topk < 1:
-            raise UserError(f"topk must be >= 1 for mode='topk', got {self.topk}")
+            raise UserError(f"mode=topk needs topk >= 1, got {self.topk}")
         if self.reduction not in REDUCTIONS:
             raise UserError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
 
