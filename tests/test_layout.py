@@ -81,3 +81,71 @@ def test_the_step_reads_like_a_loop():
         if isinstance(f, ast.FunctionDef) and f.name == "step"
     )
     assert step.end_lineno - step.lineno + 1 <= 45
+
+
+# --- the "never" rules of docs/architecture.md ----------------------------------------------------
+
+MODEL_CODE = {"opsd.models", "opsd.teacher", "opsd.parallel", "opsd.rollout", "opsd.trainer"}
+LIGHT = ["opsd.config", "opsd.loss.spec", "opsd.data.sources", "opsd.data.prompts"]
+COMMANDS = ("opsd.cli", "opsd.eval", "opsd.sft", "opsd.demo")
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def never_rule_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import the architecture forbids, as "importer -> imported"."""
+    bad = []
+    for name, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            loss_out = _in(name, "opsd.loss") and not _in(dep, "opsd.loss") and dep != "opsd.errors"
+            data_models = _in(name, "opsd.data") and dep in MODEL_CODE
+            trainer = dep == "opsd.trainer" and name != "opsd" and not any(_in(name, c) for c in COMMANDS)
+            if loss_out or data_models or (trainer and name != "opsd.trainer"):
+                bad.append(f"{name} -> {dep}")
+    return bad
+
+
+def test_the_never_rules_hold():
+    assert never_rule_violations(import_graph()) == []
+
+
+def test_the_never_rules_catch_each_kind_of_violation():
+    graph = {
+        "opsd.loss.fused": {"opsd.models", "opsd.errors", "opsd.loss.spec"},
+        "opsd.data.batching": {"opsd.teacher", "opsd.errors"},
+        "opsd.report": {"opsd.trainer"},
+        "opsd.eval.loop": {"opsd.trainer"},
+        "opsd": {"opsd.trainer"},
+    }
+    assert never_rule_violations(graph) == [
+        "opsd.data.batching -> opsd.teacher",
+        "opsd.loss.fused -> opsd.models",
+        "opsd.report -> opsd.trainer",
+    ]
+
+
+def _top_level_roots(path: Path, anywhere: bool = False) -> list[tuple[str, int]]:
+    tree = ast.parse(path.read_text())
+    roots = []
+    for node in ast.walk(tree) if anywhere else tree.body:
+        if isinstance(node, ast.Import):
+            roots += [(a.name.split(".")[0], node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.append((node.module.split(".")[0], node.lineno))
+    return roots
+
+
+def test_light_modules_do_not_import_torch_at_module_level():
+    for name in LIGHT:
+        path = PKG.parent / (name.replace(".", "/") + ".py")
+        lines = [line for root, line in _top_level_roots(path) if root == "torch"]
+        assert not lines, f"{name} imports torch at module level (line {lines[0]})"
+
+
+def test_the_package_imports_no_bench_or_tests():
+    for path in PKG.rglob("*.py"):
+        roots = {root for root, _ in _top_level_roots(path, anywhere=True)}
+        bad = {"bench", "tests", "helpers", "conftest", "_common"} & roots
+        assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"
