@@ -1,4 +1,5 @@
-"""``python -m opsd ...`` is the ``opsd`` command; torchrun launches it as ``torchrun ... -m opsd train ...``."""
+"""``python -m opsd ...`` is the ``opsd`` command; torchrun launches it as
+``torchrun ... -m opsd train ...``."""
 
 from opsd.cli import entry
 

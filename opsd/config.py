@@ -149,7 +149,8 @@ class TeacherConfig(_Section):
 
 
 class ParallelConfig(_Section):
-    """How `opsd train` spreads over the processes torchrun starts; one process without torchrun ignores it."""
+    """How `opsd train` spreads over the processes torchrun starts; one process without torchrun ignores
+    it."""
 
     replicate: int = Field(
         1, ge=1
@@ -246,8 +247,9 @@ class Config(_Section):
         if t.mode == "fixed" and not lora and t.frozen_copy == "none":
             raise ValueError(
                 "teacher.mode=fixed with full fine-tuning needs a frozen copy of the initial model, but "
-                "teacher.frozen_copy=none leaves no memory for it: use model.lora.enabled=true (the teacher is "
-                "then the base model with the adapter disabled), teacher.frozen_copy=cpu, or teacher.mode=live/ema"
+                "teacher.frozen_copy=none leaves no memory for it: use model.lora.enabled=true (the "
+                "teacher is then the base model with the adapter disabled), teacher.frozen_copy=cpu, "
+                "or teacher.mode=live/ema"
             )
         if t.mode == "external" and not t.path:
             raise ValueError("teacher.mode=external needs teacher.path (the teacher model)")
@@ -274,7 +276,8 @@ class Config(_Section):
         if r.logprob_check is True and not r.plain_sampling():
             raise ValueError(
                 "rollout.logprob_check=true needs rollout.temperature > 0, top_k=0 and top_p=1 (with "
-                f"temperature={r.temperature}, top_k={r.top_k}, top_p={r.top_p} the log-probs differ by design)"
+                f"temperature={r.temperature}, top_k={r.top_k}, top_p={r.top_p} the log-probs differ "
+                "by design)"
             )
         if r.engine == "hf" and r.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")

@@ -208,7 +208,8 @@ def all_reduce_sum(t: Tensor) -> Tensor:
 
 
 def agree_count(n: int) -> int:
-    """The largest ``n`` over ranks: every rank runs that many micro-batches (FSDP's collectives must match)."""
+    """The largest ``n`` over ranks: every rank runs that many micro-batches (FSDP's collectives must
+    match)."""
     return int(_all_reduce(torch.tensor([n], dtype=torch.int64), dist.ReduceOp.MAX).item())
 
 

@@ -164,7 +164,8 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def forward_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
-    """Final hidden states ``[R, H]`` at ``positions``: ``final_hidden``, through FSDP's root hooks when sharded.
+    """Final hidden states ``[R, H]`` at ``positions``: ``final_hidden``, through FSDP's root hooks when
+    sharded.
 
     Use it for every forward of a model that may be sharded (student, adapter-disabled teacher,
     frozen copy); calling the decoder directly would skip the root's all-gather.

@@ -22,8 +22,8 @@ EVAL_PREFIX = "eval/"
 
 # (file stem, title, panels); a panel is a list of keys sharing one y axis. A plot is drawn when any
 # of its keys has data; "stack:" panels are drawn as a stacked area (the step-time breakdown). Keys
-# are names from opsd.metrics.STEP_KEYS or OPTIONAL_KEYS (tests/test_report.py checks it), and the step-time stack is
-# opsd.metrics.TIME_KEYS, so a phase the trainer times is a phase this plot shows.
+# are names from opsd.metrics.STEP_KEYS or OPTIONAL_KEYS (tests/test_report.py checks it), and the
+# step-time stack is opsd.metrics.TIME_KEYS, so a phase the trainer times is a phase this plot shows.
 PLOTS: list[tuple[str, str, list[list[str]]]] = [
     ("loss", "Loss and mean divergence", [["loss"], ["divergence"]]),
     ("clip_frac", "Clip fraction", [["clip_frac"]]),
@@ -220,7 +220,8 @@ def write_report(run_dir: Path) -> Path:
     md.append(f"- eval points: {len(metrics.eval)}")
     if metrics.replaced_steps:
         md.append(
-            f"- {metrics.replaced_steps} record(s) superseded by a later record for the same step (resumed run)"
+            f"- {metrics.replaced_steps} record(s) superseded by a later record for the same step "
+            "(resumed run)"
         )
     if metrics.bad_lines:
         md.append(f"- {len(metrics.bad_lines)} line(s) skipped: {'; '.join(metrics.bad_lines[:10])}")

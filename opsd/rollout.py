@@ -591,7 +591,8 @@ class VLLMEngine:
         )
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
-        """len(prompts)*n completions, prompt-major; deterministic given params.seed (and the group's prompts)."""
+        """len(prompts)*n completions, prompt-major; deterministic given params.seed (and the group's
+        prompts)."""
         params.validate()
         _check_prompts(prompts, n, self.vocab_size)
         self.wake()

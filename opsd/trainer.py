@@ -239,7 +239,8 @@ class Trainer:
         self.cursor = DataCursor(
             len(self.examples), seed=cfg.seed, rank=self.rank, world_size=self.world, shuffle=d.shuffle
         )
-        # Held-out problems, validated at startup like the training data, so a bad file fails before any compute.
+        # Held-out problems, validated at startup like the training data, so a bad file fails before any
+        # compute.
         e = cfg.eval
         self.eval_examples = (
             load_examples(
@@ -323,7 +324,8 @@ class Trainer:
         """One optimizer step of the objective (OPSD by default); :meth:`record` makes its metrics."""
         timer = metrics.StepTimer.for_step(self.device)
 
-        # 1-2. Draw this rank's share of the global batch; roll out n responses to each with the current weights.
+        # 1-2. Draw this rank's share of the global batch; roll out n responses to each with the current
+        # weights.
         ex_idx = self.cursor.next_indices(self.prompts_per_rank)
         prompts = [self.prompts(i, self.examples[i]) for i in ex_idx]
         with timer("rollout"):
@@ -415,14 +417,16 @@ class Trainer:
         return precision.autocast(self.precision, self.device) if self.dist.mesh is None else nullcontext()
 
     def _fsdp_param_dtype(self) -> torch.dtype | None:
-        """FSDP2's compute dtype: parallel.param_dtype, or (auto) model.dtype's when it differs from storage."""
+        """FSDP2's compute dtype: parallel.param_dtype, or (auto) model.dtype's when it differs from
+        storage."""
         par = self.cfg.parallel.param_dtype
         if par != "auto":
             return models.DTYPES[par]
         return self.precision.compute if self.precision.mixed else None
 
     def rollout(self, prompts: list[list[int]]) -> list:
-        """``rollout.n`` responses per prompt, seeded by step and rank: a resume samples what a run would have."""
+        """``rollout.n`` responses per prompt, seeded by step and rank: a resume samples what a run would
+        have."""
         r = self.cfg.rollout
         seed = (distributed.rank_seed(self.cfg.seed, self.rank) * 1_000_003 + self.step_num * 7919) % 2**63
         params = SamplingParams(
@@ -439,9 +443,10 @@ class Trainer:
         return completions
 
     def optimizer_step(self, loss_sum: Tensor) -> tuple[Tensor, Tensor, bool]:
-        """Clip and step. FSDP summed the gradients over ranks (the loss weights are normalized by global token
-        counts); norm and loss are global, so all ranks decide alike. A non-finite loss or gradient skips the
-        update but still consumes the batch and advances the LR schedule (same data order and schedule)."""
+        """Clip and step. FSDP summed the gradients over ranks (the loss weights are normalized by global
+        token counts); norm and loss are global, so all ranks decide alike. A non-finite loss or gradient
+        skips the update but still consumes the batch and advances the LR schedule (same data order and
+        schedule)."""
         grad_norm = parallel.clip_grad_norm(self.params, self.cfg.optim.grad_clip or float("inf"))
         loss_sum = all_reduce_sum(loss_sum)
         finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))
@@ -612,7 +617,8 @@ class Trainer:
             seed=distributed.rank_seed(self.cfg.seed, self.rank),
             engine=self.engine,
         )
-        self.engine.sleep()  # generate() woke it: the checkpoint save and the next step run without vLLM resident
+        # generate() woke it: the checkpoint save and the next step run without vLLM resident
+        self.engine.sleep()
         return res.metrics(prefix="eval/")
 
     # ------------------------------------------------------------------------------------------

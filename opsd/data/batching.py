@@ -69,8 +69,8 @@ def check_alignment(sample: Sample) -> None:
     if s != t:
         pos = next(i for i, (a, b) in enumerate(zip(s, t, strict=True)) if a != b)
         raise ValueError(
-            f"example {sample.example_index}: student and teacher responses differ at response position {pos} "
-            f"(student token {s[pos]}, teacher token {t[pos]})"
+            f"example {sample.example_index}: student and teacher responses differ at response "
+            f"position {pos} (student token {s[pos]}, teacher token {t[pos]})"
         )
 
 

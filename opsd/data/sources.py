@@ -116,8 +116,9 @@ def load_examples(
     if empty_solution:
         action = "dropped them" if drop_empty_solution else "pass drop_empty_solution=True to drop them"
         warnings.warn(
-            f"{source}: {empty_solution} of {total} rows have an empty {solution_key!r} (privileged information); "
-            f"for those the teacher sees what the student sees and gives almost no signal; {action}",
+            f"{source}: {empty_solution} of {total} rows have an empty {solution_key!r} (privileged "
+            "information); for those the teacher sees what the student sees and gives almost no "
+            f"signal; {action}",
             stacklevel=2,
         )
     if missing_answer:
@@ -198,7 +199,8 @@ def _read_json(path: Path) -> list[dict]:
             )
         except Exception as err:
             raise UserError(
-                f"{path}: could not read JSON (expected an array of objects or JSON Lines): {_root_cause(err)}"
+                f"{path}: could not read JSON (expected an array of objects or JSON Lines): "
+                f"{_root_cause(err)}"
             ) from err
         return ds.to_list()
 
@@ -293,7 +295,8 @@ def _read_hub(name: str, split: str) -> list[dict]:
             ) from err
         if isinstance(err, FileNotFoundError):  # datasets' DatasetNotFoundError included
             raise UserError(
-                f"{missing}, and the Hugging Face hub has no dataset {repo!r} (unknown name, or private); {hint}"
+                f"{missing}, and the Hugging Face hub has no dataset {repo!r} (unknown name, or private); "
+                f"{hint}"
             ) from err
         raise UserError(
             f"{missing}; as a hub dataset {repo!r} (config {config or None!r}, split {split!r}) it could not "
@@ -337,7 +340,8 @@ def _row_to_example(
         problem = check_messages(problem, f"{where}: field {problem_key!r}", _BadRow)
     else:
         raise _BadRow(
-            f"{where}: field {problem_key!r} must be a string or a chat messages list, got {type(problem).__name__}"
+            f"{where}: field {problem_key!r} must be a string or a chat messages list, got "
+            f"{type(problem).__name__}"
         )
 
     solution = ""

@@ -134,8 +134,9 @@ def _divergence_chunk(
 ) -> tuple[Tensor, Tensor | None, LossStats]:
     """Loss ``sum_n w_n L_n``, its gradient with respect to the student logits, and stats for one chunk.
 
-    ``L_n = JSD_beta`` (the sampled tokens ``y`` are not used) between ``S = softmax(a)`` and ``P = softmax(b)`` (over the teacher's top-k
-    for ``mode="topk"``; the other entries get no gradient), clipped per ``spec.clip_mode``.
+    ``L_n = JSD_beta`` between ``S = softmax(a)`` and ``P = softmax(b)`` (over the teacher's top-k
+    for ``mode="topk"``; the other entries get no gradient), clipped per ``spec.clip_mode``. The
+    sampled tokens ``y`` are not used.
     """
     log_s, log_p, idx, stats = _log_probs(a, b, spec, with_stats)
     s = log_s.exp()
