@@ -387,8 +387,9 @@ def save_checkpoint(
     ``state`` is shared by all ranks (rank 0's is written), ``rank_state`` is this rank's own (its
     RNG state is added); the trainable weights, ``optimizer`` and ``tensors`` go to ``dcp/``.
     Collective under torchrun: every rank calls it, and rank 0 writes the Hugging Face export from
-    gathered weights. A failed write (full disk, I/O error) on any rank raises :class:`TrainingError` after removing the
-    temporary directory; earlier checkpoints are never touched before the new one is complete.
+    gathered weights. A failed write (full disk, I/O error) on any rank raises
+    :class:`TrainingError` after removing the temporary directory; earlier checkpoints are never
+    touched before the new one is complete.
     """
     rank, _ = rank_world()
     root = checkpoint_dir(run_dir)
