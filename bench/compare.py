@@ -11,51 +11,44 @@ average before and after is printed and recorded: other jobs on the cores slow e
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see opsd.cli)
+import _common
+from _md import write_section
+from demo import machine
 
-import argparse  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from opsd.demo.base import DemoSettings
+from opsd.demo.compare import ARMS, format_compare_table, gain, mean_curve, run_compare
+from opsd.demo.run import COMPARE_STEPS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
-from demo import machine  # noqa: E402
-
-from opsd.demo.base import DemoSettings  # noqa: E402
-from opsd.demo.compare import ARMS, format_compare_table, gain, mean_curve, run_compare  # noqa: E402
-from opsd.demo.run import COMPARE_STEPS  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _common.ROOT
 HEADING = "Demo comparison: OPSD, GRPO, SFT, controls (bench/compare.py)"
-
-
-def _load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def render(r: dict, started: str, load_before: str, load_after: str, plot: str) -> str:
     s = r["settings"]
     seeds = [sd["seed"] for sd in r["seeds"]]
     lines = [
-        f"Run {started}, `python bench/compare.py --seeds {','.join(map(str, seeds))} --steps {s['opsd_steps']}`. "
-        f"Machine: {machine()}. Load average (1/5/15 min) before {load_before}, after {load_after} "
-        f"({os.cpu_count()} cores: above that, other jobs shared them, and the times are upper bounds). "
-        f"Whole comparison: {r['seconds'] / 60:.1f} min for {len(seeds)} seed(s), base-model builds included unless cached.",
+        f"Run {started}, `python bench/compare.py --seeds {','.join(map(str, seeds))} --steps "
+        f"{s['opsd_steps']}`. Machine: {machine()}. Load average (1/5/15 min) before {load_before}, after "
+        f"{load_after} ({os.cpu_count()} cores: above that, other jobs shared them, and the times are upper "
+        f"bounds). Whole comparison: {r['seconds'] / 60:.1f} min for {len(seeds)} seed(s), base-model builds "
+        "included unless cached.",
         "",
         f"Settings (docs/demo.md): {s['digits']}-digit addition, Llama {s['layers']}x{s['hidden']} after "
-        f"{s['sft_steps']} SFT steps; every method then takes {s['opsd_steps']} optimizer steps with AdamW lr "
-        f"{s['opsd_lr']} (GRPO: {s['grpo_lr']}), {s['opsd_warmup']} warmup steps then cosine, gradient clip 1, "
-        "from the same base model, on "
-        f"the same training problems; held-out accuracy on {s['n_heldout']} problems (greedy, exact final answer) "
-        f"every {s['eval_every']} steps. OPSD and the controls: {s['prompts_per_step']} problems x 1 sample a step, "
-        f"fixed teacher, forward KL. GRPO: {r['grpo_prompts_per_step']} problems x {s['grpo_n']} samples a step (as many "
-        f"responses a step as OPSD), reward 1 for an exact final answer, mean baseline. SFT: "
-        f"{s['prompts_per_step']} worked solutions a step, cross-entropy, nothing generated. Training wall time "
-        "excludes the held-out evaluations.",
+        f"{s['sft_steps']} SFT steps; every method then takes {s['opsd_steps']} optimizer steps with AdamW "
+        f"lr {s['opsd_lr']} (GRPO: {s['grpo_lr']}), {s['opsd_warmup']} warmup steps then cosine, gradient "
+        "clip 1, from the same base model, on the same training problems; held-out accuracy on "
+        f"{s['n_heldout']} problems (greedy, exact final answer) every {s['eval_every']} steps. OPSD and the "
+        f"controls: {s['prompts_per_step']} problems x 1 sample a step, fixed teacher, forward KL. GRPO: "
+        f"{r['grpo_prompts_per_step']} problems x {s['grpo_n']} samples a step (as many responses a step as "
+        f"OPSD), reward 1 for an exact final answer, mean baseline. SFT: {s['prompts_per_step']} worked "
+        "solutions a step, cross-entropy, nothing generated. Training wall time excludes the held-out "
+        "evaluations.",
         "",
         format_compare_table(r),
         "",
@@ -107,7 +100,7 @@ def main() -> None:
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     if args.out.exists():
         shutil.rmtree(args.out)
-    started, load_before = time.strftime("%Y-%m-%d %H:%M"), _load()
+    started, load_before = time.strftime("%Y-%m-%d %H:%M"), _common.load_avgs()
     print(f"load average before: {load_before}", flush=True)
     r = run_compare(
         DemoSettings(opsd_steps=args.steps),
@@ -116,7 +109,7 @@ def main() -> None:
         cache=args.cache or args.out / "cache",
         progress=True,
     )
-    load_after = _load()
+    load_after = _common.load_avgs()
     print(f"load average after: {load_after}", flush=True)
     plot = Path(r["plot"])
     if not args.no_write:  # the figure beside the page that shows it

@@ -12,24 +12,19 @@ slow it down.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (and in child processes)
-
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
+import _common
+from _md import write_section
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _common.ROOT
 # Targets from issue 5.
 MAX_WALL_S = 360.0
 MIN_GAIN = 0.20
@@ -57,7 +52,7 @@ def run_demo(seed: int, out: Path, cache: Path, control: bool) -> dict:
     ]
     if control:
         cmd.append("--control")
-    load_before = os.getloadavg()[0]
+    load_before = _common.load_avg()
     t0 = time.time()
     with open(out / f"{name}.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -67,7 +62,7 @@ def run_demo(seed: int, out: Path, cache: Path, control: bool) -> dict:
             f"{' '.join(cmd)} failed with exit code {proc.returncode}; see {out / f'{name}.log'}"
         )
     r = json.loads((run_dir / "demo_result.json").read_text())
-    r.update(wall_s=wall, load_before=load_before, load_after=os.getloadavg()[0])
+    r.update(wall_s=wall, load_before=load_before, load_after=_common.load_avg())
     print(
         f"{name}: {100 * r['student_before']:.1f}% -> {100 * r['student_after']:.1f}% "
         f"(teacher {100 * r['teacher_with_solution']:.1f}%), {wall:.0f} s",
@@ -77,16 +72,7 @@ def run_demo(seed: int, out: Path, cache: Path, control: bool) -> dict:
 
 
 def machine() -> str:
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-        platform.processor(),
-    )
-    import torch
-
-    return (
-        f"{cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python {platform.python_version()}; "
-        "the demo runs torch on 1 thread"
-    )
+    return f"{_common.describe_machine(threads=False)}; the demo runs torch on 1 thread"
 
 
 def _pct(x: float) -> str:
@@ -98,16 +84,17 @@ def render(rows: list[tuple[dict, dict]], started: str) -> str:
     lines = [
         f"Run {started}. Machine: {machine()}.",
         "",
-        f"Defaults of `opsd demo` (docs/demo.md): {s['digits']}-digit addition, Llama {s['layers']}x{s['hidden']}, base model "
-        f"{s['sft_steps']} SFT steps ({int(100 * s['sft_teacher_frac'])}% of rows with the worked solution in "
-        f"context); OPSD {s['opsd_steps']} steps, {s['prompts_per_step']} problems/step, lr {s['opsd_lr']}, "
-        f"fixed teacher, forward KL; held-out accuracy on {s['n_heldout']} problems, greedy, exact final answer. "
-        "Wall time is the whole `opsd demo` command from an empty cache (base-model build included); the "
-        "control reuses that base model. Load is the 1-minute load average before / after each run "
+        f"Defaults of `opsd demo` (docs/demo.md): {s['digits']}-digit addition, Llama "
+        f"{s['layers']}x{s['hidden']}, base model {s['sft_steps']} SFT steps "
+        f"({int(100 * s['sft_teacher_frac'])}% of rows with the worked solution in context); OPSD "
+        f"{s['opsd_steps']} steps, {s['prompts_per_step']} problems/step, lr {s['opsd_lr']}, fixed teacher, "
+        f"forward KL; held-out accuracy on {s['n_heldout']} problems, greedy, exact final answer. Wall time "
+        "is the whole `opsd demo` command from an empty cache (base-model build included); the control "
+        "reuses that base model. Load is the 1-minute load average before / after each run "
         f"({os.cpu_count()} cores: above that, other jobs were sharing them).",
         "",
-        "| seed | student before | student after | teacher with solution | gain | gap closed | control before -> after "
-        "| control gain | demo wall (base build) | control wall | load demo / control |",
+        "| seed | student before | student after | teacher with solution | gain | gap closed | control "
+        "before -> after | control gain | demo wall (base build) | control wall | load demo / control |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d, c in rows:

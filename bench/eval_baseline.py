@@ -9,30 +9,23 @@ times the first batch and evaluates the first N problems that fit the time budge
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (and in child processes)
-
 import argparse
 import json
 import math
-import os
-import sys
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import _common
+from _md import write_section
 
-from _md import write_section  # noqa: E402
+from opsd.data import DEFAULT_INSTRUCTION, load_examples
+from opsd.devices import machine_info
+from opsd.eval import evaluate_model
+from opsd.fetch import cached_model_path
+from opsd.grading import grade_lenient
+from opsd.models import load_model, load_tokenizer
 
-from opsd.data import DEFAULT_INSTRUCTION, load_examples  # noqa: E402
-from opsd.eval import evaluate_model, machine_info  # noqa: E402
-from opsd.fetch import cached_model_path  # noqa: E402
-from opsd.grading import grade_lenient  # noqa: E402
-from opsd.models import load_model, load_tokenizer  # noqa: E402
-
+ROOT = _common.ROOT
 HEADING = "## Eval baseline (bench/eval_baseline.py)"
 SHARED = ROOT.parent / "shared" / "data"
 OUT_DIR = ROOT / "runs" / "bench-eval"
@@ -76,7 +69,7 @@ def run_dataset(model, tok, name: str, args: argparse.Namespace) -> dict:
         "seconds": round(seconds, 1),
         "budget_min": args.budget_min,
         "settings": s,
-        "load_avg_end": os.getloadavg()[0],
+        "load_avg_end": _common.load_avg(),
         "date": f"{datetime.now():%Y-%m-%d}",
     }
     (OUT_DIR / f"{stem}.result.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -157,36 +150,60 @@ def main() -> int:
             rows.append(summarize(json.loads(saved.read_text())))
 
     machine = machine_info()
-    table = [
-        "| dataset | problems | accuracy, strict `\\boxed{}` (avg@1 = pass@1) | 95% CI (Wilson) | lenient (math-verify on whole response) "
-        "| no `\\boxed{}` | truncated at max | mean resp tokens | grading errors | time | s/problem | load avg at end |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    columns = [
+        "dataset",
+        "problems",
+        "accuracy, strict `\\boxed{}` (avg@1 = pass@1)",
+        "95% CI (Wilson)",
+        "lenient (math-verify on whole response)",
+        "no `\\boxed{}`",
+        "truncated at max",
+        "mean resp tokens",
+        "grading errors",
+        "time",
+        "s/problem",
+        "load avg at end",
     ]
+    table = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for r in rows:
-        table.append(
-            f"| {r['dataset']} | first {r['n']} of {r['of']} ({r.get('budget_min', '?'):g}-min budget) | **{r['acc']:.1%}** ({r['correct']}/{r['n']}) | "
-            f"{r['ci95'][0]:.1%}-{r['ci95'][1]:.1%} | {r['lenient'] / r['n']:.1%} ({r['lenient']}/{r['n']}) | {r['no_box']:.0%} | "
-            f"{r['truncated']:.0%} | {r['resp_len']:.0f} | {r['errors']} | {r['seconds'] / 60:.1f} min | "
-            f"{r['seconds'] / r['n']:.0f} | {r['load_avg_end']:.1f} |"
-        )
+        n = r["n"]
+        cells = [
+            r["dataset"],
+            f"first {n} of {r['of']} ({r.get('budget_min', '?'):g}-min budget)",
+            f"**{r['acc']:.1%}** ({r['correct']}/{n})",
+            f"{r['ci95'][0]:.1%}-{r['ci95'][1]:.1%}",
+            f"{r['lenient'] / n:.1%} ({r['lenient']}/{n})",
+            f"{r['no_box']:.0%}",
+            f"{r['truncated']:.0%}",
+            f"{r['resp_len']:.0f}",
+            f"{r['errors']}",
+            f"{r['seconds'] / 60:.1f} min",
+            f"{r['seconds'] / n:.0f}",
+            f"{r['load_avg_end']:.1f}",
+        ]
+        table.append("| " + " | ".join(cells) + " |")
+    cores = machine["cpu_count"]
     body = "\n".join(
         [
-            f"SmolLM2-135M-Instruct (`{path.name}`, fetched by `opsd fetch-model`), measured {rows[0]['date']} with "
-            f"`python bench/eval_baseline.py` (`--budget-min` per dataset as in the table).",
+            f"SmolLM2-135M-Instruct (`{path.name}`, fetched by `opsd fetch-model`), measured "
+            f"{rows[0]['date']} with `python bench/eval_baseline.py` (`--budget-min` per dataset as in the "
+            "table).",
             "",
             *table,
             "",
             f"- Settings: k=1, greedy (temperature 0), max_new_tokens={args.max_new_tokens}, HF engine batch "
             f"{args.batch_size}, float32, the training chat template and student instruction "
             f"({DEFAULT_INSTRUCTION!r}), enable_thinking unset.",
-            "- Strict accuracy is what `opsd eval` reports: math-verify on the last `\\boxed{}` (GSM8K gold: the "
-            "number after `####`). The lenient column lets math-verify extract the answer from the whole response "
-            "instead; it shows what the model gets right without following the output format.",
-            "- Subset: the first N problems in file order; N is what fitted the time budget after timing the first "
-            "batch (the target was 100). Small N means wide error bars: compare like with like.",
-            f"- Machine: {machine['cpu_count']} CPU cores, no GPU, torch {machine['torch']}, Python "
-            f"{machine['python']}. Other jobs shared the 2 cores (1-min load average in the last column; above 2 "
-            "means contention), so the times are upper bounds.",
+            "- Strict accuracy is what `opsd eval` reports: math-verify on the last `\\boxed{}` (GSM8K "
+            "gold: the number after `####`). The lenient column lets math-verify extract the answer from "
+            "the whole response instead; it shows what the model gets right without following the output "
+            "format.",
+            "- Subset: the first N problems in file order; N is what fitted the time budget after timing "
+            "the first batch (the target was 100). Small N means wide error bars: compare like with like.",
+            f"- Machine: {machine['cpu']} ({machine['cpu_isa']}), {cores} CPU cores, "
+            f"{machine.get('gpu', 'no GPU')}, torch {machine['torch']}, Python {machine['python']}. Other "
+            f"jobs shared the {cores} cores (1-min load average in the last column; above {cores} means "
+            "contention), so the times are upper bounds.",
             "- Per-item responses and verdicts: `runs/bench-eval/*.items.jsonl` (not committed).",
             *[f"- {r['dataset']}: {r['note']}." for r in rows if r.get("note")],
         ]

@@ -27,19 +27,17 @@ import argparse
 import copy
 import gc
 import os
-import platform
 import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import _common
 import torch
+from _md import write_section
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _common.ROOT
 HEADING = "GPU step (bench/gpu_step.py)"
 BUDGET_S = 7 * 60  # stop starting new setups after this (the limit is 8 minutes)
 
@@ -265,8 +263,8 @@ def render(rows: list[dict], loss_rows: list[dict], env: str, notes: list[str]) 
     ]
     for r in rows:
         out.append(
-            f"| {r['setup']} | {r['trainable'] / 1e6:.1f}M | {r['build_s']:.0f} | {r['step']:.2f} | {r['teacher']:.2f} | "
-            f"{r['student']:.2f} | {r['loss']:.2f} | {r['optimizer']:.2f} | "
+            f"| {r['setup']} | {r['trainable'] / 1e6:.1f}M | {r['build_s']:.0f} | {r['step']:.2f} | "
+            f"{r['teacher']:.2f} | {r['student']:.2f} | {r['loss']:.2f} | {r['optimizer']:.2f} | "
             f"{r['tokens'] / r['step']:.0f} | {_fmt_gb(r['peak_gb'])} |"
         )
     out += [
@@ -323,22 +321,19 @@ def main() -> int:
         from opsd.distributed import shutdown
 
         shutdown()
-    dev = dist.device
-    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     env = (
         f"Model: {'a tiny' if args.tiny else 'a Qwen3-1.7B-shaped'} config with random weights "
-        f"(V={shape['vocab_size']}, H={shape['hidden_size']}, {shape['num_hidden_layers']} layers, tied head), "
-        f"sdpa attention, bf16 compute. Per step: 8 samples (prompt {lengths['prompt']}, teacher prompt "
-        f"{lengths['teacher_prompt']}, response {lengths['response']} tokens) in 2 micro-batches of 4; "
-        f"loss: forward KL with entry clip 0.05; gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}; "
-        f"mean of {args.steps} steps after 1 warm-up.\n\n"
-        f"Machine: {gpu}; torch {torch.__version__}; Python {platform.python_version()}; "
-        f"total wall time {time.perf_counter() - start:.0f} s."
+        f"(V={shape['vocab_size']}, H={shape['hidden_size']}, {shape['num_hidden_layers']} layers, tied "
+        f"head), sdpa attention, bf16 compute. Per step: 8 samples (prompt {lengths['prompt']}, teacher "
+        f"prompt {lengths['teacher_prompt']}, response {lengths['response']} tokens) in 2 micro-batches of "
+        "4; loss: forward KL with entry clip 0.05; gradient checkpointing "
+        f"{'on' if args.gradient_checkpointing else 'off'}; mean of {args.steps} steps after 1 warm-up.\n\n"
+        f"Machine: {_common.describe_machine()}; total wall time {time.perf_counter() - start:.0f} s."
     )
     notes.append(
-        "- Phases are synchronized wall times; `fused loss` includes the analytic gradients "
-        "(the loss computes them while walking the chunks), `student fwd+bwd` is the student's forward and "
-        "the model's backward (plus FSDP's gradient reduction), `optimizer` is clipping + AdamW."
+        "- Phases are synchronized wall times; `fused loss` includes the analytic gradients (the loss "
+        "computes them while walking the chunks), `student fwd+bwd` is the student's forward and the "
+        "model's backward (plus FSDP's gradient reduction), `optimizer` is clipping + AdamW."
     )
     text = render(rows, loss_rows, env, notes)
     print(text)

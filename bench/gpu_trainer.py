@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,12 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import _common
 import torch
 import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_step import LENGTHS, QWEN3_1P7B, TINY, TINY_LENGTHS  # noqa: E402
+from gpu_step import LENGTHS, QWEN3_1P7B, TINY, TINY_LENGTHS
 
 BUDGET_S = 7 * 60
 SETUPS = ("lora", "full")
@@ -153,7 +150,7 @@ def run_setup(
             "--config",
             str(path),
         ]
-        res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        res = subprocess.run(cmd, capture_output=True, text=True)  # _common put ROOT on PYTHONPATH
         if res.returncode != 0:
             raise RuntimeError(f"torchrun failed ({res.returncode}): {res.stderr[-2000:]}")
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -221,9 +218,8 @@ def main() -> int:
             rows.append(run_setup(assets, Path(tmp), setup, lengths, args.steps, nproc, device))
             if cuda:
                 torch.cuda.empty_cache()
-    machine = (f"{torch.cuda.get_device_name(0)} x{gpus}" if cuda else "CPU (--tiny)") + (
-        f"; torch {torch.__version__}; {time.perf_counter() - start:.0f} s in all"
-    )
+    visible = f"{gpus} visible GPU{'' if gpus == 1 else 's'}{' (--tiny)' if args.tiny else ''}"
+    machine = f"{_common.describe_machine()}; {visible}; {time.perf_counter() - start:.0f} s in all"
     print(render(rows, skipped, machine))
     return 0
 

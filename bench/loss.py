@@ -14,20 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-# Before torch starts OpenMP: spin-waiting threads slow everything down on a shared machine.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
+import _common
+import torch
+from _md import write_section
 
 SHAPES = {"SmolLM2-135M": (576, 49152), "Qwen3-1.7B": (2048, 151936)}
 NS = (256, 1024, 4096)
@@ -130,23 +125,11 @@ def _have_liger() -> bool:
 
 
 def machine(device: str) -> str:
-    if device == "cuda":
-        name = torch.cuda.get_device_name(0)
-    else:
-        name = next(
-            (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-            platform.processor(),
-        )
-    load = (
-        ", load average at the end {:.1f}/{:.1f}/{:.1f} (above {} means other jobs shared the cores)".format(
-            *os.getloadavg(), os.cpu_count()
-        )
-        if device == "cpu"
-        else ""
-    )
+    if device != "cpu":
+        return _common.describe_machine()
     return (
-        f"{name}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, Python {platform.python_version()}{load}"
+        f"{_common.describe_machine()}, load average at the end {_common.load_avgs()} "
+        f"(above {os.cpu_count()} means other jobs shared the cores)"
     )
 
 
@@ -158,13 +141,13 @@ def main() -> None:
     )
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--ns", nargs="*", type=int, default=list(NS))
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"))
+    ap.add_argument("--out", default=str(_common.ROOT / "docs" / "benchmarks.md"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(**json.loads(args.child))))
         return
-    print(f"load average (1 min) before: {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"load average (1 min) before: {_common.load_avg():.2f}", flush=True)
     shapes, ns = (["SmolLM2-135M"], [256, 1024]) if args.quick else (args.shapes, args.ns)
     impls = [i for i in IMPLS if i != "liger" or _have_liger()]
     rows = []
@@ -192,7 +175,8 @@ def main() -> None:
                 r["shape"] = shape
                 rows.append(r)
                 print(
-                    f"{shape} N={n} {impl}: {r['time_s']:.3f}s peak {r['peak_mb']:.0f} MB loss {r['loss']:.6f}",
+                    f"{shape} N={n} {impl}: {r['time_s']:.3f}s peak {r['peak_mb']:.0f} MB loss "
+                    f"{r['loss']:.6f}",
                     flush=True,
                 )
     err = bf16_accuracy(args.device)
@@ -200,7 +184,7 @@ def main() -> None:
         f"bf16 inputs vs the float64 oracle: relative loss error {err[0]:.2e} (float32 products), "
         f"{err[1]:.2e} (matmul_dtype=bfloat16)"
     )
-    print(f"load average (1 min) after: {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"load average (1 min) after: {_common.load_avg():.2f}", flush=True)
     if args.quick:
         return
     write_section(Path(args.out), f"Loss ({args.device}, bench/loss.py)", render(rows, err, args.device))
@@ -225,9 +209,11 @@ def render(rows: list[dict], bf16_err: tuple[float, float], device: str) -> str:
     lines = [
         f"Machine: {machine(device)}.",
         "",
-        f"Forward + backward, fp32 inputs, beta={BETA}, T=1, student weight requires grad. Peak memory is above "
-        "the inputs (CPU: peak RSS in a separate run with `MALLOC_MMAP_THRESHOLD_=131072`, so that freed blocks return to the OS and the figure is the live high-water mark rather than glibc's cache; CUDA: max allocated). Liger runs `LigerFusedLinearJSDLoss` with "
-        "`compiled=False`, `weight_hard_loss=0`.",
+        f"Forward + backward, fp32 inputs, beta={BETA}, T=1, student weight requires grad. Peak memory is "
+        "above the inputs (CPU: peak RSS in a separate run with `MALLOC_MMAP_THRESHOLD_=131072`, so that "
+        "freed blocks return to the OS and the figure is the live high-water mark rather than glibc's "
+        "cache; CUDA: max allocated). Liger runs `LigerFusedLinearJSDLoss` with `compiled=False`, "
+        "`weight_hard_loss=0`.",
         "",
         "| shape (H, V) | N | impl | time (s) | peak mem (MB) | speed-up vs naive |",
         "|---|---|---|---|---|---|",
@@ -247,9 +233,8 @@ def render(rows: list[dict], bf16_err: tuple[float, float], device: str) -> str:
     for name, (_h, v) in SHAPES.items():
         a, b = by.get((v, 256, "opsd-chunked")), by.get((v, 4096, "opsd-chunked"))
         if a and b and "peak_mb" in a and "peak_mb" in b:
-            lines.append(
-                f"- {name}: chunked peak at N=4096 / N=256 = {b['peak_mb'] / a['peak_mb']:.2f}x (target <= 1.2x)"
-            )
+            growth = b["peak_mb"] / a["peak_mb"]
+            lines.append(f"- {name}: chunked peak at N=4096 / N=256 = {growth:.2f}x (target <= 1.2x)")
         c, nv = by.get((v, 1024, "opsd-chunked")), by.get((v, 1024, "naive"))
         if c and nv and "time_s" in nv:
             lines.append(

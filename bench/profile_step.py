@@ -13,22 +13,17 @@ docs/benchmarks.md. Run it alone (it waits for the 1-minute load average to fall
 
 from __future__ import annotations
 
-import os
+import argparse
+import math
+import resource
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
-
-import argparse  # noqa: E402
-import resource  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
-from train_step import MATH, ROOT, _machine, bench_config  # noqa: E402
+import _common
+import torch
+from _md import write_section
+from torch.profiler import ProfilerActivity, profile
+from train_step import MATH, ROOT, bench_config
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
@@ -54,15 +49,14 @@ def main() -> None:
     from opsd.trainer import Trainer
 
     cfg = bench_config(args.data, ["optim.max_steps=2", *args.overrides])
-    while os.getloadavg()[0] >= 0.5:
-        time.sleep(10)
-    before = "/".join(f"{x:.2f}" for x in os.getloadavg())
+    _common.wait_for_idle(0.5, timeout_s=math.inf, poll_s=10)
+    before = _common.load_avgs(2)
     rate32, rate16 = matmul_rate(torch.float32), matmul_rate(torch.bfloat16)
     trainer = Trainer(cfg)
     trainer.train(until_step=1)  # warm-up
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         (rec,) = trainer.train(until_step=2)
-    after = "/".join(f"{x:.2f}" for x in os.getloadavg())
+    after = _common.load_avgs(2)
     events = prof.key_averages()
     total_us = sum(e.self_cpu_time_total for e in events)
     mm = [e for e in events if e.key in MATMULS]
@@ -70,7 +64,7 @@ def main() -> None:
     phases = ["rollout", "teacher", "student", "loss", "optim"]
     outside = rec["time_step"] - rec["time_rollout"]
     lines = [
-        f"Machine: {_machine()}. Load average (1/5/15 min) before {before}, after {after}. "
+        f"Machine: {_common.describe_machine()}. Load average (1/5/15 min) before {before}, after {after}. "
         f"`{' '.join(['python bench/profile_step.py', *args.overrides])}`.",
         "",
         f"One profiled step after one warm-up step, bench/train_step.py's setting ({cfg.model.dtype}). "
@@ -78,12 +72,13 @@ def main() -> None:
         + ", ".join(f"{p} {rec['time_' + p]:.1f} s" for p in phases)
         + f"; outside generation {1000 * outside / rec['tokens']:.1f} ms per completion token.",
         f"Real-token fraction of the forwards: teacher {rec['real_token_frac_teacher']:.2f}, student "
-        f"{rec['real_token_frac_student']:.2f}; micro-batch budget {trainer.mb_tokens} padded tokens. Peak RSS of "
-        f"the process (model load and profiler included): **{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB**.",
+        f"{rec['real_token_frac_student']:.2f}; micro-batch budget {trainer.mb_tokens} padded tokens. Peak "
+        "RSS of the process (model load and profiler included): "
+        f"**{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB**.",
         "",
-        f"- Matrix products (`{'`, `'.join(MATMULS)}`): **{100 * mm_us / total_us:.0f}%** of the step's self CPU "
-        f"time, at **{mm_flops / max(mm_us, 1) / 1e3:.0f} GFLOP/s** achieved.",
-        f"- This machine's product rate at SmolLM2's MLP shape ([1024, 576] x [576, 1536]): float32 "
+        f"- Matrix products (`{'`, `'.join(MATMULS)}`): **{100 * mm_us / total_us:.0f}%** of the step's self "
+        f"CPU time, at **{mm_flops / max(mm_us, 1) / 1e3:.0f} GFLOP/s** achieved.",
+        "- This machine's product rate at SmolLM2's MLP shape ([1024, 576] x [576, 1536]): float32 "
         f"**{rate32:.0f} GFLOP/s**, bfloat16 **{rate16:.0f} GFLOP/s** "
         f"({'no bf16 matrix units: bf16 is emulated' if rate16 < rate32 else 'bf16 faster'}).",
         "",
@@ -92,8 +87,8 @@ def main() -> None:
     ]
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[: args.top]:
         lines.append(
-            f"| `{e.key}` | {e.self_cpu_time_total / 1e6:.2f} | {100 * e.self_cpu_time_total / total_us:.1f}% "
-            f"| {e.count} |"
+            f"| `{e.key}` | {e.self_cpu_time_total / 1e6:.2f} | "
+            f"{100 * e.self_cpu_time_total / total_us:.1f}% | {e.count} |"
         )
     body = "\n".join(lines)
     print(body)

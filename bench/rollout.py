@@ -11,28 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# Must precede the torch import. On a shared, oversubscribed CPU, OpenMP's default spin-waiting made
-# 2-thread forwards of this model 5-7x slower (measured); passive waiting costs ~nothing when idle.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import _common
+import torch
+from _md import write_section
 
-import torch  # noqa: E402
+from opsd.fetch import fetch_model
+from opsd.models import load_model, load_tokenizer
+from opsd.rollout import HFEngine, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
-
-from opsd.fetch import fetch_model  # noqa: E402
-from opsd.models import load_model, load_tokenizer  # noqa: E402
-from opsd.rollout import HFEngine, SamplingParams  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = _common.ROOT
 DATA = REPO.parent / "shared" / "data" / "math_train.jsonl"
 HEADING = "Rollout (bench/rollout.py)"
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -103,23 +95,6 @@ def loop_tps(model, tok, prompts: list[list[int]], new_tokens: int) -> Timing:
     return Timing(produced, dt, cpu)
 
 
-def machine_info() -> str:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"CPU: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"Python {platform.python_version()}; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; "
-        f"load average at start: {load}"
-    )
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -138,7 +113,7 @@ def main() -> int:
         fetch_model(args.model)
     tok, model = load_tokenizer(args.model), load_model(args.model).eval()
     prompts, source = load_prompts(tok, max(args.batch_sizes))
-    info = machine_info()
+    info = f"{_common.describe_machine()}; load average at start: {_common.load_avgs()}"
     print(info, flush=True)
 
     engine_tps(HFEngine(model, tok, batch_size=2), prompts[:2], 4)  # warm-up (allocator, kernels)
@@ -152,8 +127,8 @@ def main() -> int:
         rows.append((bs, eng, base, k))
         print(
             f"batch {bs}: engine {eng.tps:.1f} tok/s ({eng.wall_s:.1f}s, {eng.tpcs:.1f} tok/CPU-s); "
-            f"per-sample loop {base.tps:.1f} tok/s ({k} samples, {base.wall_s:.1f}s, {base.tpcs:.1f} tok/CPU-s); "
-            f"{eng.tps / base.tps:.1f}x wall, {eng.tpcs / base.tpcs:.1f}x CPU",
+            f"per-sample loop {base.tps:.1f} tok/s ({k} samples, {base.wall_s:.1f}s, {base.tpcs:.1f} "
+            f"tok/CPU-s); {eng.tps / base.tps:.1f}x wall, {eng.tpcs / base.tpcs:.1f}x CPU",
             flush=True,
         )
 
@@ -177,9 +152,9 @@ def main() -> int:
     )
     body = "\n".join(
         [
-            f"Model: {args.model} (fp32, sdpa attention), sampling at temperature 1, exactly {args.new_tokens} "
-            "new tokens per sample (`min_new_tokens`), prompts: " + source + f" through the chat template "
-            f"(prompt length {min(lens)}-{max(lens)} tokens, left padded within a batch).",
+            f"Model: {args.model} (fp32, sdpa attention), sampling at temperature 1, exactly "
+            f"{args.new_tokens} new tokens per sample (`min_new_tokens`), prompts: {source} through the chat "
+            f"template (prompt length {min(lens)}-{max(lens)} tokens, left padded within a batch).",
             "",
             f"Machine: {info}.",
             "",
@@ -187,9 +162,9 @@ def main() -> int:
             "",
             "Baseline: a plain `model.generate` call per prompt (batch 1, same sampling settings), timed "
             f"right after each engine row on the first min(batch size, {args.loop_samples}) of that row's "
-            "prompts; its tokens/s does not depend on the batch size, so a subset extrapolates. "
-            "The CPU-time speed-up divides tokens per second of process CPU time (all threads); unlike "
-            "wall clock it barely moves when other jobs share the cores.",
+            "prompts; its tokens/s does not depend on the batch size, so a subset extrapolates. The "
+            "CPU-time speed-up divides tokens per second of process CPU time (all threads); unlike wall "
+            "clock it barely moves when other jobs share the cores.",
             verdict,
             "",
             "Reproduce: `python bench/rollout.py` (after `opsd fetch-model smollm2-135m-instruct`).",

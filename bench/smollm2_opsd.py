@@ -26,24 +26,18 @@ float32 otherwise.
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see opsd.cli)
+import _common
+import torch
+from _md import write_section
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shutil  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _common.ROOT
 SHARED = ROOT.parent / "shared" / "data"
 HEADING = "SmolLM2-135M OPSD on MATH (bench/smollm2_opsd.py)"
 
@@ -124,22 +118,6 @@ def math500_accuracy(trainer, examples: list, max_new_tokens: int, batch_size: i
         "resp_len_mean": res.resp_len_mean,
         "seconds": res.seconds,
     }
-
-
-def machine(device: str) -> str:
-    if device.startswith("cuda"):
-        what = torch.cuda.get_device_name(device)
-    else:
-        name = next(
-            (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-            platform.processor(),
-        )
-        what = f"{name}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} torch threads"
-    return f"{what}, torch {torch.__version__}, Python {platform.python_version()}"
-
-
-def _load() -> str:
-    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -225,7 +203,7 @@ def main() -> None:
         "logging.sample_every=10",
     ]
     cfg = load_config(None, overrides)
-    started, load_before = time.strftime("%Y-%m-%d %H:%M"), _load()
+    started, load_before = time.strftime("%Y-%m-%d %H:%M"), _common.load_avgs()
     print(f"load average before: {load_before}; device {device}, {dtype}", flush=True)
     t0 = time.time()
     trainer = Trainer(cfg, overwrite=True)
@@ -253,7 +231,7 @@ def main() -> None:
     acc_after = timed(
         "MATH-500 after", lambda: math500_accuracy(trainer, math500, args.eval_tokens, args.eval_batch)
     )
-    load_after = _load()
+    load_after = _common.load_avgs()
     print(f"load average after: {load_after}", flush=True)
 
     result = {
@@ -267,7 +245,7 @@ def main() -> None:
         "load": {"before": load_before, "after": load_after},
     }
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
-    body = render(result, started, machine(device))
+    body = render(result, started, _common.describe_machine())
     print(body)
     if not args.no_write:
         write_section(args.md, HEADING, body)
@@ -285,18 +263,21 @@ def render(r: dict, started: str, where: str) -> str:
     k = max(1, min(5, len(train) // 2))
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
     lines = [
-        f"Run {started} on {where}, {s['dtype']}; load average (1/5/15 min) before {r['load']['before']}, after "
-        f"{r['load']['after']}. Reproduce: `opsd fetch-model smollm2-135m-instruct && {cmd}`.",
+        f"Run {started} on {where}, {s['dtype']}; load average (1/5/15 min) before {r['load']['before']}, "
+        f"after {r['load']['after']}. Reproduce: `opsd fetch-model smollm2-135m-instruct && {cmd}`.",
         "",
-        f"SmolLM2-135M-Instruct, LoRA r=16 on all projections, OPSD for {s['steps']} steps of {s['prompts']} MATH "
-        f"train problems, 1 sample each at T=1.1, <= {s['max_new_tokens']} new tokens, fixed teacher (the base "
-        f"model reading the reference solution), forward KL with entry clip 0.05, lr {s['lr']} constant, grad clip 0.1.",
+        f"SmolLM2-135M-Instruct, LoRA r=16 on all projections, OPSD for {s['steps']} steps of {s['prompts']} "
+        f"MATH train problems, 1 sample each at T=1.1, <= {s['max_new_tokens']} new tokens, fixed teacher "
+        f"(the base model reading the reference solution), forward KL with entry clip 0.05, lr {s['lr']} "
+        "constant, grad clip 0.1.",
         "",
         "| | before | after |",
         "|---|---|---|",
-        f"| held-out divergence: mean per-token KL(teacher \\|\\| student), {s['heldout']} MATH train problems never "
-        f"trained on, the student's own samples | {d['before']['divergence']:.4f} | {d['after']['divergence']:.4f} |",
-        f"| held-out teacher-student agreement (argmax) | {d['before']['agreement']:.3f} | {d['after']['agreement']:.3f} |",
+        f"| held-out divergence: mean per-token KL(teacher \\|\\| student), {s['heldout']} MATH train "
+        f"problems never trained on, the student's own samples | {d['before']['divergence']:.4f} | "
+        f"{d['after']['divergence']:.4f} |",
+        f"| held-out teacher-student agreement (argmax) | {d['before']['agreement']:.3f} | "
+        f"{d['after']['agreement']:.3f} |",
         f"| held-out response tokens (truncated at {s['max_new_tokens']}) | {d['before']['response_tokens']} "
         f"({d['before']['truncated']}) | {d['after']['response_tokens']} ({d['after']['truncated']}) |",
         f"| MATH-500, first {s['math500']}, greedy, strict `\\boxed{{}}` | {pct(a['before']['strict'])} "
@@ -304,8 +285,8 @@ def render(r: dict, started: str, where: str) -> str:
         f"| MATH-500, same responses, lenient (math-verify on the tail) | {pct(a['before']['lenient'])} "
         f"| {pct(a['after']['lenient'])} |",
         f"| MATH-500: no `\\boxed{{}}` / truncated at {s['eval_tokens']} tokens | "
-        f"{pct(a['before']['no_boxed'])} / {pct(a['before']['truncated'])} | "
-        f"{pct(a['after']['no_boxed'])} / {pct(a['after']['truncated'])} |",
+        f"{pct(a['before']['no_boxed'])} / {pct(a['before']['truncated'])} | {pct(a['after']['no_boxed'])} / "
+        f"{pct(a['after']['truncated'])} |",
         "",
         f"Training divergence (per step, on that step's problems): mean of the first {k} steps "
         f"{sum(train[:k]) / k:.4f}, of the last {k} {sum(train[-k:]) / k:.4f}. Time: training "
@@ -313,9 +294,10 @@ def render(r: dict, started: str, where: str) -> str:
         f"{t['held-out divergence after']:.0f} s, MATH-500 {t['MATH-500 before'] / 60:.1f} + "
         f"{t['MATH-500 after'] / 60:.1f} min.",
         "",
-        "The held-out divergence is the training loss's statistic computed by the trainer's own pieces (prompts, "
-        "splice, micro-batches, teacher, fused loss) under no_grad, with no optimizer step, on one response per "
-        "problem sampled by the current student at the training temperature with a fixed seed.",
+        "The held-out divergence is the training loss's statistic computed by the trainer's own pieces "
+        "(prompts, splice, micro-batches, teacher, fused loss) under no_grad, with no optimizer step, on "
+        "one response per problem sampled by the current student at the training temperature with a fixed "
+        "seed.",
     ]
     return "\n".join(lines)
 

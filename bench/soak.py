@@ -11,22 +11,16 @@ of docs/benchmarks.md.
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
+import _common
+from _md import write_section
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _common.ROOT
 
 
 def rss_mib() -> float:
@@ -44,7 +38,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
-    load_before = os.getloadavg()[0]
+    load_before = _common.load_avg()
     print(f"load before: {load_before:.2f}", flush=True)
 
     from opsd import Trainer, load_config
@@ -93,23 +87,22 @@ def main() -> None:
             print(f"step {tr.step_num:>5}  rss {samples[-1][1]:.0f} MiB  {time.time() - t0:.0f}s", flush=True)
         if not resume:  # 7 more steps whose metrics are written but never checkpointed: then a "crash"
             for _ in range(7):
-                tr.metrics.write(tr.step())
+                tr.metrics.write(tr.record(tr.step()))
         del tr
     steps = [json.loads(x)["step"] for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
     one_line_per_step = steps == list(range(1, args.steps + 1))
     after100 = [r for s, r in samples if s >= 100]
     growth = (after100[-1] / after100[0] - 1) * 100 if len(after100) > 1 else float("nan")
-    load_after = os.getloadavg()[0]
+    load_after = _common.load_avg()
     print(f"load after: {load_after:.2f}")
     print(f"RSS growth after step 100: {growth:+.1f}%  one line per step: {one_line_per_step}")
     table = "\n".join(f"| {s} | {r:.0f} |" for s, r in samples)
     body = (
-        f"`python bench/soak.py --steps {args.steps}`: a demo-sized model (full fine-tuning, frozen teacher copy), "
-        "8 prompts x 24 new tokens per step; the first half writes metrics for 7 steps past its last checkpoint, "
-        "then stops without saving (a crash), and the second half resumes.\n\n"
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; load before/after (wall time is "
-        "only a speed figure at load < 0.5) "
-        f"{load_before:.2f}/{load_after:.2f}; wall {time.time() - t0:.0f} s.\n\n"
+        f"`python bench/soak.py --steps {args.steps}`: a demo-sized model (full fine-tuning, frozen teacher "
+        "copy), 8 prompts x 24 new tokens per step; the first half writes metrics for 7 steps past its last "
+        "checkpoint, then stops without saving (a crash), and the second half resumes.\n\n"
+        f"Machine: {_common.describe_machine()}; load before/after (wall time is only a speed figure at load "
+        f"< 0.5) {load_before:.2f}/{load_after:.2f}; wall {time.time() - t0:.0f} s.\n\n"
         f"- resident memory growth from step 100 to the end: **{growth:+.1f}%** (target < 5%)\n"
         f"- `metrics.jsonl` has exactly one line per step across the resume: **{one_line_per_step}**\n\n"
         "| step | RSS (MiB) |\n|---|---|\n" + table + "\n"

@@ -13,30 +13,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import _common
 import yaml
+from _md import write_section
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _common.ROOT
 BAD_MARKERS = ("Traceback", "terminate called", "SIGABRT", "Signal 6", "core dumped")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def write_assets(root: Path) -> Path:
@@ -86,7 +74,7 @@ def one_run(config: Path, run_dir: Path) -> tuple[int, str]:
         str(config),
         "--overwrite",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # _common put ROOT on PYTHONPATH
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     return res.returncode, res.stdout + res.stderr
 
@@ -96,7 +84,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
-    load_before = os.getloadavg()[0]
+    load_before = _common.load_avg()
     bad: list[str] = []
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,14 +98,14 @@ def main() -> None:
             if not ok:
                 bad.append(f"run {i}: exit {rc}, markers {marks}: ...{out[-600:]!r}")
     wall = time.monotonic() - start
-    load_after = os.getloadavg()[0]
+    load_after = _common.load_avg()
     good = args.runs - len(bad)
     body = (
-        f"`python bench/torchrun_exits.py --runs {args.runs}`: two-rank `torchrun -m opsd train` (tiny model, "
-        f"gloo, 3 steps, 2 checkpoints) **{good} of {args.runs} runs exited 0 with no traceback or abort** "
-        f"({wall:.0f} s in all: a count, not a timing).\n\nMachine: {cpu_name()}, {os.cpu_count()} cores, torch "
-        f"{__import__('torch').__version__}. 1-minute load before {load_before:.2f}, after {load_after:.2f} "
-        "(a reliability count, not a timing: load does not invalidate it).\n"
+        f"`python bench/torchrun_exits.py --runs {args.runs}`: two-rank `torchrun -m opsd train` (tiny "
+        f"model, gloo, 3 steps, 2 checkpoints) **{good} of {args.runs} runs exited 0 with no traceback or "
+        f"abort** ({wall:.0f} s in all: a count, not a timing).\n\n"
+        f"Machine: {_common.describe_machine(threads=False)}. 1-minute load before {load_before:.2f}, after "
+        f"{load_after:.2f} (a reliability count, not a timing: load does not invalidate it).\n"
     )
     if bad:
         body += "\nFailures:\n\n" + "\n".join(f"- {b}" for b in bad) + "\n"

