@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from opsd.cli import main
 from opsd.data import Example, load_examples, student_prompt_ids
@@ -263,15 +264,15 @@ def test_custom_grader_and_prompts(tiny_tokenizer) -> None:
 def test_config_file_and_overrides(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`opsd eval --config eval.yaml key=value`, the dialect of `opsd train`; flags are shorthands."""
     from opsd.config import load_config
-    from opsd.eval import EVAL_FLAGS, EvalRunConfig, flag_overrides
+    from opsd.eval import EVAL_FLAGS, EvalCommandConfig, flag_overrides
 
     cfg_path = tmp_path / "eval.yaml"
     cfg_path.write_text(f"model:\n  path: {tiny_model_dir}\ndata:\n  path: d.jsonl\nk: 4\n")
-    cfg = load_config(cfg_path, ["rollout.temperature=0", "data.limit=2"], schema=EvalRunConfig)
+    cfg = load_config(cfg_path, ["rollout.temperature=0", "data.limit=2"], schema=EvalCommandConfig)
     assert cfg.model.path == [str(tiny_model_dir)] and cfg.k == 4
     assert cfg.rollout.temperature == 0 and cfg.data.limit == 2 and cfg.rollout.top_p == 0.95
     assert cfg.grader == "math"
-    assert load_config(cfg_path, ["grader=lenient"], schema=EvalRunConfig).grader == "lenient"
+    assert load_config(cfg_path, ["grader=lenient"], schema=EvalCommandConfig).grader == "lenient"
 
     p = argparse.ArgumentParser()
     add_eval_arguments(p)
@@ -279,10 +280,10 @@ def test_config_file_and_overrides(tmp_path: Path, tiny_model_dir: Path) -> None
     assert args.model == ["a", "b", "k=3"]  # argparse's view; run_eval hands k=3 back to the overrides
     flags = flag_overrides(args, EVAL_FLAGS)
     assert 'data.path="1e5.jsonl"' in flags and "data.student_thinking=false" in flags
-    cfg = load_config(None, flags, schema=EvalRunConfig)
+    cfg = load_config(None, flags, schema=EvalCommandConfig)
     assert cfg.data.path == "1e5.jsonl"  # a file name stays a string, not the number 100000.0
     with pytest.raises(UserError, match=r"rollout\.tempreature"):
-        load_config(cfg_path, ["rollout.tempreature=0"], schema=EvalRunConfig)
+        load_config(cfg_path, ["rollout.tempreature=0"], schema=EvalCommandConfig)
 
 
 def test_cli_config_and_stray_override(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
@@ -320,3 +321,7 @@ def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     assert "no_answers.jsonl" in err and "'answer'" in err
     assert "k" in _cli_error(capsys, ["eval", *model, "--data", good, "k=0"])
     assert "model.path" in _cli_error(capsys, ["eval", "--data", good])
+    err = _cli_error(capsys, ["eval", *model, "--data", good, "--device", "gpu"])
+    assert "device" in err and "cuda:N" in err  # opsd.devices' spelling check, as for `opsd train`
+    if not torch.cuda.is_available():
+        assert "device=cpu" in _cli_error(capsys, ["eval", *model, "--data", good, "--device", "cuda"])

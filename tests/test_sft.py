@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 import opsd.sft
 from opsd.cli import main
@@ -89,3 +90,7 @@ def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     assert "out" in _cli_error(
         capsys, ["sft", "--model", str(tiny_model_dir), "--data", str(_data(tmp_path))]
     )
+    err = _cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "device=gpu"])
+    assert "device" in err and "cuda:N" in err  # opsd.devices' spelling check, as for `opsd train`
+    if not torch.cuda.is_available():
+        assert "device=cpu" in _cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "device=cuda"])
