@@ -214,6 +214,10 @@ class EvalConfig(_Section):
     temperature: float = Field(0.0, ge=0)
     max_new_tokens: int = Field(1024, ge=1)
     answer_key: str = "answer"
+    # Also the student's divergence from the privileged teacher on the held-out problems (metric
+    # eval/divergence): the signal that moves where accuracy is near zero. Needs data.solution_key in
+    # the held-out file; costs one sampled response per problem.
+    divergence: bool = False
 
 
 class Config(_Section):
@@ -281,6 +285,8 @@ class Config(_Section):
             )
         if r.engine == "hf" and r.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+        if self.eval.divergence and not self.data.solution_key:
+            raise ValueError("eval.divergence=true needs data.solution_key (held-out solutions)")
         if self.eval.every and not self.eval.path:
             raise ValueError("eval.every > 0 needs eval.path (a held-out file with answers)")
         return self

@@ -185,13 +185,19 @@ def check_rollout_logprobs(
     stats.logprob_tokens = float(mine.numel())
 
 
-def make_objective(cfg: Config) -> Objective:
-    """``cfg.objective`` as an object, its options bound once."""
-    distill = Distillation(
+def make_distillation(cfg: Config) -> Distillation:
+    """The loss section as a :class:`Distillation` (OPSD's objective, GRPO's distillation term and the
+    held-out divergence)."""
+    return Distillation(
         spec=cfg.loss.to_spec(cfg.rollout.temperature),
         chunk_size=cfg.loss.chunk_size,
         sampling_temperature=cfg.rollout.temperature,
     )
+
+
+def make_objective(cfg: Config) -> Objective:
+    """``cfg.objective`` as an object, its options bound once."""
+    distill = make_distillation(cfg)
     if cfg.objective == "opsd":
         return distill
     return GRPO(

@@ -11,6 +11,7 @@ import sys
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from opsd.devices import resolve_device
 from opsd.distributed import all_reduce_sum
 from opsd.errors import TrainingError
 from opsd.loss import LossStats
-from opsd.objectives import Scores, make_objective
+from opsd.objectives import Objective, Scores, make_distillation, make_objective
 from opsd.optim import make_optimizer
 from opsd.parallel import forward_hidden, full_head_weight, parallelize
 from opsd.rollout import Completion, SamplingParams, make_engine
@@ -121,11 +122,15 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         # What is trained for: distillation, GRPO, or both; it says what it needs from data and teacher.
         self.objective = make_objective(cfg)
+        # The held-out divergence (eval.divergence) is distillation's, whatever the objective.
+        self.heldout = make_distillation(cfg)
         # Run directory, data, tokenizer and model: a failure on any rank ends every rank with its message.
         distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
+        # Without a teacher term the teacher runs only for eval.divergence: the initial policy where it
+        # costs nothing (LoRA, adapter off), the live one otherwise (no second copy of the weights).
+        no_term = "fixed" if cfg.model.lora.enabled else "live"
         self.teacher = Teacher(
-            # Without a teacher term, "live" holds no second copy of the weights and is never run.
-            cfg.teacher.mode if self.objective.uses_teacher else "live",
+            cfg.teacher.mode if self.objective.uses_teacher else no_term,
             self.model,
             lora=cfg.model.lora.enabled,
             ema_decay=cfg.teacher.ema_decay,
@@ -246,7 +251,8 @@ class Trainer:
             load_examples(
                 e.path,
                 problem_key=d.problem_key,
-                solution_key=None,
+                # Solutions only for the held-out divergence: accuracy never shows them to the student.
+                solution_key=d.solution_key if e.divergence else None,
                 answer_key=e.answer_key,
                 require_answer=True,
             ).examples[: e.limit]
@@ -256,6 +262,7 @@ class Trainer:
         # Model: the student (LoRA or full), its tokenizer, and an external teacher.
         self.tokenizer = models.load_tokenizer(m.path, trust_remote_code=m.trust_remote_code)
         self.prompts = PromptBuilder.from_config(self.tokenizer, d, privileged=cfg.teacher.privileged)
+        self.eval_prompts = PromptBuilder.from_config(self.tokenizer, d, privileged=True)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # model.dtype is the compute dtype; full fine-tuning in bf16 stores float32 master weights.
         self.precision = precision.resolve(
@@ -401,12 +408,21 @@ class Trainer:
             backward=backward,
         )
 
-    def loss(self, s_hidden: Tensor, t_hidden: Tensor | None, t_head: Tensor | None, mb, scores: Scores):
-        """The objective's loss on one micro-batch, with this model's head and loss precision."""
+    def loss(
+        self,
+        s_hidden: Tensor,
+        t_hidden: Tensor | None,
+        t_head: Tensor | None,
+        mb,
+        scores: Scores,
+        *,
+        objective: Objective | None = None,
+    ):
+        """The objective's loss on one micro-batch (or ``objective``'s: the held-out divergence), with
+        this model's head and loss precision."""
+        objective = objective or self.objective
         head = full_head_weight(self.model)
-        return self.objective.loss(
-            s_hidden, t_hidden, t_head, mb, scores, head=head, matmul_dtype=self.loss_mm
-        )
+        return objective.loss(s_hidden, t_hidden, t_head, mb, scores, head=head, matmul_dtype=self.loss_mm)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -424,11 +440,12 @@ class Trainer:
             return models.DTYPES[par]
         return self.precision.compute if self.precision.mixed else None
 
-    def rollout(self, prompts: list[list[int]]) -> list:
-        """``rollout.n`` responses per prompt, seeded by step and rank: a resume samples what a run would
-        have."""
+    def rollout(self, prompts: list[list[int]], *, n: int | None = None, step: int | None = None) -> list:
+        """``rollout.n`` (or ``n``) responses per prompt, seeded by step (this one, or ``step``) and rank:
+        a resume samples what a run would have."""
         r = self.cfg.rollout
-        seed = (distributed.rank_seed(self.cfg.seed, self.rank) * 1_000_003 + self.step_num * 7919) % 2**63
+        step = self.step_num if step is None else step
+        seed = (distributed.rank_seed(self.cfg.seed, self.rank) * 1_000_003 + step * 7919) % 2**63
         params = SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
@@ -438,7 +455,7 @@ class Trainer:
             seed=seed,
         )
         self.engine.wake()
-        completions = self.engine.generate(prompts, r.n, params)
+        completions = self.engine.generate(prompts, n or r.n, params)
         self.engine.sleep()
         return completions
 
@@ -619,7 +636,36 @@ class Trainer:
         )
         # generate() woke it: the checkpoint save and the next step run without vLLM resident
         self.engine.sleep()
-        return res.metrics(prefix="eval/")
+        out = res.metrics(prefix="eval/")
+        if e.divergence:
+            out["eval/divergence"] = self.heldout_divergence()["divergence"]
+        return out
+
+    @torch.no_grad()
+    def heldout_divergence(self) -> dict:
+        """The distillation loss's statistics on the held-out problems for the current student: one
+        sampled response per problem (the rollout's settings, one seed for every evaluation), scored by
+        the teacher with the held-out solutions as a training step scores it, with no gradient. Where
+        accuracy is near zero, this is the number that moves. Collective: every rank scores its share."""
+        mine = list(range(self.rank, len(self.eval_examples), self.world))
+        pairs = [self.eval_prompts(i, self.eval_examples[i]) for i in mine]
+        # One response each, from a seed stream no training step uses, the same at every evaluation.
+        completions = self.rollout([student for student, _ in pairs], n=1, step=-1)
+        samples = [
+            make_sample(*pairs[c.prompt_index], c.token_ids, mine[c.prompt_index], c.finish_reason)
+            for c in completions
+            if c.token_ids
+        ]
+        loss_sum, stats = forward_backward(
+            self.model,
+            self.teacher,
+            self.microbatches(samples),
+            partial(self.loss, objective=self.heldout),
+            autocast=self.autocast,
+            backward=False,
+        )
+        total = LossStats.from_tensor(all_reduce_sum(stats.as_tensor()))
+        return {"loss": float(all_reduce_sum(loss_sum)), **total.means()}
 
     # ------------------------------------------------------------------------------------------
     # Setup, checkpoints

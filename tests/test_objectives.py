@@ -1,0 +1,131 @@
+"""Objectives as objects (opsd/objectives.py): GRPO with a distillation term (``grpo.distill_coef``),
+and the held-out divergence metric (``eval.divergence``)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import build_assets, make_cfg
+
+from opsd import Trainer
+from opsd.loss import DistillSpec
+from opsd.objectives import GRPO, Distillation, Scores, make_objective
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return build_assets(tmp_path_factory.mktemp("objectives"))
+
+
+def _micro_batch(n_tokens: int, lens: list[int], vocab: int, gen: torch.Generator):
+    w = torch.rand(n_tokens, generator=gen, dtype=torch.float64) / n_tokens
+    return SimpleNamespace(
+        weights=w,
+        targets=torch.randint(0, vocab, (n_tokens,), generator=gen),
+        sample_indices=list(range(len(lens))),
+        response_lens=lens,
+        rollout_logprobs=None,
+    )
+
+
+def _grads(objective, s_hidden, t_hidden, head, mb, scores):
+    h = s_hidden.clone().requires_grad_(True)
+    w = head.clone().requires_grad_(True)
+    loss, _ = objective.loss(h, t_hidden, w, mb, scores, head=w, matmul_dtype=None)
+    loss.backward()
+    return float(loss.detach()), h.grad, w.grad
+
+
+def test_mixed_objective_gradient_is_the_sum_of_its_parts_in_float64():
+    """GRPO + c * distillation: loss and gradients equal the policy-gradient part plus c times the
+    distillation part, each computed alone. Same operations on the same float64 values, summed once
+    more: equal to rounding of one addition, bounded by 1e-12 relative."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, hidden, lens = 17, 8, [3, 4]
+    n = sum(lens)
+    s_hidden = torch.randn(n, hidden, generator=gen, dtype=torch.float64)
+    t_hidden = torch.randn(n, hidden, generator=gen, dtype=torch.float64)
+    head = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64)
+    mb = _micro_batch(n, lens, vocab, gen)
+    scores = Scores(advantages=[0.7, -0.4])
+    distill = Distillation(DistillSpec(beta=0.0, temperature=1.1), chunk_size=4, sampling_temperature=1.1)
+    coef = 0.3
+
+    def grpo(c: float) -> GRPO:
+        return GRPO(lambda r, a: 0.0, False, 1.1, 4, distill, distill_coef=c)
+
+    mixed = _grads(grpo(coef), s_hidden, t_hidden, head, mb, scores)
+    pg = _grads(grpo(0.0), s_hidden, None, head, mb, scores)
+    dist = _grads(distill, s_hidden, t_hidden, head, mb, scores)
+    assert dist[0] > 0 and torch.count_nonzero(dist[1]) > 0  # the teacher differs: the term is not zero
+    assert math.isclose(mixed[0], pg[0] + coef * dist[0], rel_tol=1e-12)
+    for i in (1, 2):
+        torch.testing.assert_close(mixed[i], pg[i] + coef * dist[i], rtol=1e-12, atol=1e-15)
+
+
+def test_distill_coef_zero_is_grpo_alone(assets, tmp_path):
+    """No teacher term: the teacher never scores, the privileged solutions are not loaded."""
+    cfg = make_cfg(
+        assets, tmp_path / "run", objective="grpo", **{"grpo.grader": "test_regression:letter_e_reward"}
+    )
+    objective = make_objective(cfg)
+    assert isinstance(objective, GRPO) and not objective.uses_teacher
+    tr = Trainer(cfg)
+    assert all(ex.solution == "" for ex in tr.examples)
+
+
+def test_mixed_objective_uses_the_configured_privileged_teacher(assets, tmp_path):
+    """With distill_coef > 0 the configured teacher (fixed: the adapter off) scores every micro-batch
+    with the solution in its context. With every group's rewards equal the advantages are exactly 0,
+    so all that moves the student is the distillation term: it must move (the teacher, who reads the
+    solution, disagrees with the student), with loss equal to coef times the divergence loss."""
+    cfg = make_cfg(
+        assets,
+        tmp_path / "run",
+        objective="grpo",
+        **{"grpo.distill_coef": 0.5, "grpo.grader": "test_regression:letter_e_reward", "optim.max_steps": 1},
+    )
+    tr = Trainer(cfg)
+    assert tr.objective.uses_teacher and tr.teacher.mode == "fixed"
+    assert all(ex.solution for ex in tr.examples)
+    tr.objective.reward = lambda response, answer: 1.0  # flat groups: no reward signal at all
+    before = {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad}
+    rec = tr.record(tr.step())
+    assert rec["flat_group_frac"] == 1.0 and rec["grad_norm"] > 0 and rec["divergence"] > 0
+    assert any(not torch.equal(v, before[k]) for k, v in tr.model.named_parameters() if v.requires_grad)
+
+
+def test_mixed_objective_needs_solutions(assets, tmp_path):
+    from opsd.errors import UserError
+
+    with pytest.raises(UserError, match="solution_key"):
+        make_cfg(
+            assets,
+            tmp_path / "run",
+            objective="grpo",
+            **{"grpo.distill_coef": 0.5, "data.solution_key": "null"},
+        )
+
+
+@pytest.mark.parametrize("objective", ["opsd", "grpo"])
+def test_heldout_divergence_is_recorded_at_evaluation(assets, tmp_path, objective):
+    """eval.divergence adds eval/divergence: forward KL without clipping, so >= 0, and finite."""
+    over = {
+        "eval.path": assets["data"],
+        "eval.every": 1,
+        "eval.limit": 3,
+        "eval.max_new_tokens": 4,
+        "eval.divergence": True,
+        "optim.max_steps": 1,
+        "objective": objective,
+        "grpo.grader": "test_regression:letter_e_reward",
+    }
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
+    (rec,) = tr.train()
+    assert "eval/accuracy" in rec or any(k.startswith("eval/") for k in rec)
+    assert math.isfinite(rec["eval/divergence"]) and rec["eval/divergence"] >= 0.0
+    again = tr.heldout_divergence()  # the same seed stream at every evaluation: the same number
+    assert again["divergence"] == rec["eval/divergence"]
