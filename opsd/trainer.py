@@ -331,8 +331,7 @@ class Trainer:
         """One optimizer step of the objective (OPSD by default); :meth:`record` makes its metrics."""
         timer = metrics.StepTimer.for_step(self.device)
 
-        # 1-2. Draw this rank's share of the global batch; roll out n responses to each with the current
-        # weights.
+        # 1-2. Draw this rank's share of the global batch; roll out n responses to each, current weights.
         ex_idx = self.cursor.next_indices(self.prompts_per_rank)
         prompts = [self.prompts(i, self.examples[i]) for i in ex_idx]
         with timer("rollout"):
