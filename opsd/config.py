@@ -211,6 +211,8 @@ class EvalConfig(_Section):
     every: int = Field(0, ge=0)  # 0 disables
     k: int = Field(1, ge=1)
     limit: int | None = Field(None, ge=1)
+    # Greedy by default: the in-training curve should move with the weights, not with sampling noise
+    # (`opsd eval`, EvalCommandConfig, samples at 0.6 by default to report Avg@k as the paper does).
     temperature: float = Field(0.0, ge=0)
     max_new_tokens: int = Field(1024, ge=1)
     answer_key: str = "answer"
