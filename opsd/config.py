@@ -216,6 +216,7 @@ class EvalConfig(_Section):
     temperature: float = Field(0.0, ge=0)
     max_new_tokens: int = Field(1024, ge=1)
     answer_key: str = "answer"
+    grader: str = "math"  # opsd.grading.GRADERS (math, lenient) or "package.module:function"
     # Also the student's divergence from the privileged teacher on the held-out problems (metric
     # eval/divergence): the signal that moves where accuracy is near zero. Needs data.solution_key in
     # the held-out file; costs one sampled response per problem.

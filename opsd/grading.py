@@ -7,14 +7,18 @@ incorrect verdict with the reason in `Grade.error`, so one pathological sample c
 
 from __future__ import annotations
 
+import importlib
 import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sympy
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 from math_verify.errors import TimeoutException
+
+from opsd.errors import UserError
 
 # Longest extracted answer we hand to sympy. Real answers (matrices, long expressions) are far
 # shorter; without a cap a degenerate 100k-char "answer" can stall the parser for minutes.
@@ -184,6 +188,27 @@ def grade_lenient(response: str, gold: str) -> Grade:
 
 # The graders by name: `opsd eval`'s `grader` key (and the GRPO reward's `grpo.grader`) use these names.
 GRADERS: dict[str, Grader] = {"math": grade, "lenient": grade_lenient}
+
+
+def resolve_grader(name: str, key: str) -> Callable[[str, str], Any]:
+    """A grader by name (:data:`GRADERS`) or as ``package.module:function`` returning a :class:`Grade`,
+    a bool or a float; the one place grader names are read. ``key``: the config key, for the error."""
+    if name in GRADERS:
+        return GRADERS[name]
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        raise UserError(
+            f"{key}={name!r}: expected one of {sorted(GRADERS)} or an importable package.module:function"
+        ) from None
+
+
+def as_grade(verdict: Any) -> Grade:
+    """A custom grader's verdict (a Grade, a bool or a number in [0, 1]) as a Grade."""
+    if isinstance(verdict, Grade):
+        return verdict
+    return Grade(correct=bool(float(getattr(verdict, "correct", verdict)) >= 1.0), extracted=None, error=None)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

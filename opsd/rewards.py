@@ -7,10 +7,7 @@ for math data, or any ``(response, answer) -> Grade | bool | float`` function na
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-
-from opsd.errors import UserError
 
 Reward = Callable[[str, str], float]
 
@@ -18,19 +15,9 @@ Reward = Callable[[str, str], float]
 def make_reward(grader: str) -> Reward:
     """``math`` (math-verify on the last ``\\boxed{}``), ``lenient`` (math-verify on the response's
     tail), or ``package.module:function``."""
-    from opsd.grading import GRADERS
+    from opsd.grading import resolve_grader
 
-    if grader in GRADERS:
-        fn = GRADERS[grader]
-    else:
-        module, _, name = grader.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError):
-            raise UserError(
-                f"grpo.grader={grader!r}: expected one of {sorted(GRADERS)} or an importable "
-                "package.module:function"
-            ) from None
+    fn = resolve_grader(grader, "grpo.grader")
 
     def reward(response: str, answer: str) -> float:
         g = fn(response, answer)

@@ -25,6 +25,7 @@ from opsd.data.batching import MicroBatch, pad_microbatches
 from opsd.devices import resolve_device
 from opsd.distributed import all_reduce_sum
 from opsd.errors import TrainingError
+from opsd.grading import as_grade, resolve_grader
 from opsd.loss import LossStats
 from opsd.objectives import Objective, Scores, make_distillation, make_objective
 from opsd.optim import make_optimizer
@@ -124,6 +125,8 @@ class Trainer:
         self.objective = make_objective(cfg)
         # The held-out divergence (eval.divergence) is distillation's, whatever the objective.
         self.heldout = make_distillation(cfg)
+        grader = resolve_grader(cfg.eval.grader, "eval.grader")
+        self.eval_grader = lambda response, gold: as_grade(grader(response, gold))
         # Run directory, data, tokenizer and model: a failure on any rank ends every rank with its message.
         distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
         # Without a teacher term the teacher runs only for eval.divergence: the initial policy where it
@@ -632,6 +635,7 @@ class Trainer:
             enable_thinking=self.cfg.data.student_thinking,
             seed=distributed.rank_seed(self.cfg.seed, self.rank),
             engine=self.engine,
+            grader=self.eval_grader,
         )
         # generate() woke it: the checkpoint save and the next step run without vLLM resident
         self.engine.sleep()
