@@ -1,15 +1,20 @@
-"""Shared fixtures: an offline tiny tokenizer/model, and the real SmolLM2 when it has been fetched."""
+"""Shared fixtures: an offline tiny tokenizer/model, the real SmolLM2 when it has been fetched, and a fake
+`vllm` package. Shared plain helpers are in helpers.py."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 # Before torch starts OpenMP: on a busy 2-core CI box, spin-waiting threads (the default) make
 # small forwards several times slower, and the tests spawn worker processes of their own.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
+import torch.distributed as dist
+from helpers import FakeLLM
 
 from opsd.fetch import cached_model_path
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
@@ -63,3 +68,40 @@ def _no_leaked_torchrun_env(monkeypatch):
     set; `opsd train` would then see a half-set torchrun environment."""
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch, tiny_model, tmp_path):
+    """Installs a fake `vllm` package; returns the call log. The tiny model gets a directory to 'load'."""
+    log: list = []
+    hf_names = list(tiny_model.state_dict())
+    llms: list[FakeLLM] = []
+
+    def LLM(**kwargs):
+        llms.append(FakeLLM(hf_names, log, **kwargs))
+        return llms[-1]
+
+    def destroy_distributed_environment():
+        log.append(("destroy_distributed_environment",))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    platform = SimpleNamespace(is_sleep_mode_available=lambda: True, is_cpu=lambda: True)
+    modules = {
+        "vllm": SimpleNamespace(
+            __version__="0.32.0", LLM=LLM, SamplingParams=lambda **kw: SimpleNamespace(kwargs=kw)
+        ),
+        "vllm.platforms": SimpleNamespace(current_platform=platform),
+        "vllm.distributed": SimpleNamespace(
+            destroy_model_parallel=lambda: log.append(("destroy_model_parallel",)),
+            destroy_distributed_environment=destroy_distributed_environment,
+        ),
+    }
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine must override it
+    tiny_model.config._name_or_path = str(tmp_path)
+    yield SimpleNamespace(log=log, llms=llms)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import FakeLLM, spawn
 
 from opsd import checkpoint as C
 from opsd import distributed as D
@@ -29,37 +28,7 @@ SPEC_KW = {"mode": "jsd", "beta": 0.5}
 LR = 1e-2
 
 
-# --- harness ------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, replicate: int, port: int, fn, args: tuple) -> None:
-    local = world // replicate  # ranks per "node"
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank % local),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(local),
-    )
-    torch.set_num_threads(1)
-    d = D.init_distributed("cpu", replicate=replicate)
-    try:
-        fn(d, *args)
-    finally:
-        D.shutdown()
-    D.exit_rank(0)  # as `opsd train` under torchrun ends a rank: no finalization (see exit_rank)
-
-
-def _spawn(fn, *args, world: int = 2, replicate: int = 1) -> None:
-    """Run ``fn`` on ``world`` gloo ranks; any error, wrong result or crash (a signal) fails the test."""
-    mp.spawn(_entry, args=(world, replicate, _free_port(), fn, args), nprocs=world, join=True)
+# --- harness (the gloo ranks themselves: helpers.spawn) -----------------------------------------
 
 
 @pytest.fixture
@@ -72,7 +41,8 @@ def no_torchrun(monkeypatch):
 
 
 def _model(variant: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """``lora``: adapters on q/v with gradient checkpointing; ``full``: every weight, head tied to the embedding."""
+    """``lora``: adapters on q/v with gradient checkpointing; ``full``: every weight, head tied to the
+    embedding."""
     from opsd.models import apply_lora, enable_gradient_checkpointing
 
     model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=2, seed=seed).to(dtype)
@@ -315,13 +285,13 @@ def test_two_rank_fsdp_steps_equal_one_rank_on_the_union_batch():
     two AdamW steps on 2 ranks, with uneven micro-batch counts and then a rank with no samples, give the
     parameters and gradient norms of 1 process on the union batches (fp32, 1e-6 relative). Then a bf16
     LoRA step runs and samples through the sharded model."""
-    _spawn(_equivalence_worker)
+    spawn(_equivalence_worker)
 
 
 @pytest.mark.slow
 def test_hsdp_two_by_two_steps_equal_one_rank_on_the_union_batch():
     """4 ranks as 2 replicas x 2 shards (HSDP): gradients are summed over both mesh dimensions."""
-    _spawn(_hsdp_worker, world=4, replicate=2)
+    spawn(_hsdp_worker, world=4, replicate=2)
 
 
 # --- distributed checkpoints: 1 -> 2 -> 2 and 2 -> 1 ------------------------------------------------
@@ -438,7 +408,7 @@ def test_distributed_checkpoint_reshards_between_one_and_two_ranks(tmp_path, no_
         torch.save(_full_state(model, opt), tmp_path / variant / "one.pt")
         assert not any(p.name.startswith(".tmp-") for p in (tmp_path / variant).iterdir())
 
-    _spawn(_dcp_worker, str(tmp_path))
+    spawn(_dcp_worker, str(tmp_path))
 
     for variant in ("lora", "full"):  # 2 -> 1
         model = _fresh(variant)
@@ -477,7 +447,7 @@ def _agreement_worker(d: D.Dist, out: str) -> None:
 
 @pytest.mark.slow
 def test_setup_error_on_rank0_ends_every_rank_with_its_message(tmp_path):
-    _spawn(_agreement_worker, str(tmp_path))
+    spawn(_agreement_worker, str(tmp_path))
     for rank in (0, 1):
         kind, msg, secs = (tmp_path / f"rank{rank}.txt").read_text().split("|")
         assert kind == "UserError" and "runs/x already exists" in msg, (rank, kind, msg)
@@ -522,7 +492,7 @@ def test_checkpoint_extra_state_must_be_plain_data(tmp_path, no_torchrun, tiny_t
         C.load_distributed(tmp_path / "missing", model, None)
 
 
-# --- the vLLM engine's tensor-parallel group, against the fake vllm of tests/test_rollout.py -------
+# --- the vLLM engine's tensor-parallel group, against the fake vllm of tests/helpers.py -------------
 
 
 def _tp_group_worker(d: D.Dist, tmp: str) -> None:
@@ -531,7 +501,6 @@ def _tp_group_worker(d: D.Dist, tmp: str) -> None:
     import sys
     from types import SimpleNamespace
 
-    import test_rollout as fakes
     import torch.distributed as dist
 
     from opsd.config import RolloutConfig
@@ -543,7 +512,7 @@ def _tp_group_worker(d: D.Dist, tmp: str) -> None:
     log, llms = [], []
 
     def LLM(**kw):
-        llms.append(fakes._FakeLLM(list(model.state_dict()), log, **kw))
+        llms.append(FakeLLM(list(model.state_dict()), log, **kw))
         return llms[-1]
 
     platform = SimpleNamespace(is_sleep_mode_available=lambda: False, is_cpu=lambda: True)
@@ -580,7 +549,7 @@ def _tp_group_worker(d: D.Dist, tmp: str) -> None:
 
 @pytest.mark.slow
 def test_vllm_tensor_parallel_group_runs_the_union_with_one_seed(tmp_path):
-    _spawn(_tp_group_worker, str(tmp_path))
+    spawn(_tp_group_worker, str(tmp_path))
 
 
 # --- clean exits ------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from test_trainer import build_assets, make_cfg
+from helpers import build_assets, free_port, make_cfg
 
 pytestmark = [
     pytest.mark.gpu,
@@ -141,15 +141,11 @@ def _nccl_worker(rank: int, port: int, root: str) -> None:
 def test_fsdp2_on_nccl_with_one_rank(assets, tmp_path):
     import json
     import math
-    import socket
 
     import torch.multiprocessing as mp
 
     (tmp_path / "assets.json").write_text(json.dumps(assets))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_nccl_worker, args=(port, str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(_nccl_worker, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
     got = json.loads((tmp_path / "nccl.json").read_text())
     assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
     assert got["same"]  # greedy: the gathered weights are the same values, the tokens the same

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rollout import _vllm_engine, fake_vllm  # noqa: F401  (fake_vllm is a fixture)
-from test_trainer import build_assets, make_cfg
+from helpers import build_assets, make_cfg, vllm_engine
 
 from opsd import Trainer, distributed, models, parallel
 from opsd.teacher import Teacher
@@ -18,14 +17,14 @@ def assets(tmp_path_factory) -> dict:
 
 
 def test_vllm_wake_empties_torch_cache_before_each_wake_up(
-    fake_vllm,  # noqa: F811
+    fake_vllm,
     tiny_model,
     tiny_tokenizer,
     monkeypatch,
 ):
     """vLLM allocates outside PyTorch's caching allocator: what the step reserved must be returned to
     the driver before vLLM asks for its weights, and again before its KV cache."""
-    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    engine = vllm_engine(tiny_model, tiny_tokenizer)
     engine._cuda = torch.device("cuda", 0)  # as on a GPU
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: fake_vllm.log.append(("empty_cache",)))
     engine.sleep()

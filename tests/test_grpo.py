@@ -1,4 +1,5 @@
-"""GRPO: group-relative advantages, the policy-gradient loss against autograd, and the objective end to end."""
+"""GRPO: group-relative advantages, the policy-gradient loss against autograd, and the objective end
+to end."""
 
 from __future__ import annotations
 

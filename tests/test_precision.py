@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
-from test_trainer import build_assets, make_cfg
+from helpers import FULL_FT, ScriptedEngine, build_assets, make_cfg
 
 from opsd import Trainer, precision
 from opsd.cli import main
 from opsd.errors import UserError
-from opsd.rollout import Completion, HFEngine
 
 BF16, FP32 = torch.bfloat16, torch.float32
 CPU = torch.device("cpu")
@@ -90,35 +88,6 @@ def test_startup_line_says_when_the_override_is_in_effect(assets, tmp_path, cpu_
 
 
 # --- mixed precision in training ---------------------------------------------------------------
-
-
-class ScriptedEngine(HFEngine):
-    """The same responses for the same prompts and seed, whatever the model's dtype: a bf16 run and a
-    float32 run then differ only by arithmetic, not by which tokens their rollouts sampled."""
-
-    def __init__(self, rollout, model, tokenizer, **kwargs) -> None:
-        super().__init__(model, tokenizer)
-
-    def generate(self, prompts, n, params):
-        out = []
-        for i, p in enumerate(prompts):
-            for j in range(n):
-                rng = random.Random(f"{p}-{j}-{params.seed}")
-                toks = [rng.randrange(0, 500) for _ in range(params.max_new_tokens)]  # most embedding rows
-                out.append(Completion(i, toks, [0.0] * len(toks), "length"))
-        return out
-
-
-FULL_FT = {
-    "model.lora.enabled": "false",
-    "optim.lr": 5e-6,
-    "optim.max_steps": 10,
-    "teacher.frozen_copy": "cpu",
-    "checkpoint.every": 0,
-    "logging.sample_every": 0,
-    "optim.grad_clip": 0,
-    "rollout.max_new_tokens": 24,
-}
 
 
 def _changed_fraction(before: dict, model) -> float:

@@ -31,7 +31,7 @@ import os
 
 import pytest
 import torch
-from test_trainer import build_assets
+from helpers import build_assets
 
 from opsd import Trainer, load_config
 

@@ -26,7 +26,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _train_record(step: int, loss: float) -> dict:
-    """A metrics.jsonl line as the trainer writes it (opsd.metrics.step_record), so the keys are the contract."""
+    """A metrics.jsonl line as the trainer writes it (opsd.metrics.step_record), so the keys are the
+    contract."""
     return step_record(
         step=step,
         loss=loss,

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from dataclasses import replace
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import vllm_engine
 
 from opsd.config import RolloutConfig
 from opsd.errors import UserError
@@ -287,130 +286,12 @@ def test_smollm2_generates_from_chat_template(smollm2_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# VLLMEngine against a small fake `vllm` module: call order and arguments. tests/test_vllm.py runs
-# the same engine on the real vLLM (CPU build).
-
-
-class _FakeVLLMModel(torch.nn.Module):
-    """vLLM's view of a Llama: q/k/v and gate/up packed into one parameter each."""
-
-    packed_modules_mapping = {
-        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-        "gate_up_proj": ["gate_proj", "up_proj"],
-    }
-
-    def __init__(self, hf_names: list[str]) -> None:
-        super().__init__()
-        first = {parts[0]: packed for packed, parts in self.packed_modules_mapping.items()}
-        names = []
-        for n in hf_names:
-            module, leaf = n.split(".")[-2:]
-            if module in first:
-                names.append(n.replace(f".{module}.", f".{first[module]}."))
-            elif not any(module in parts for parts in self.packed_modules_mapping.values()):
-                names.append(n)
-        self.params = torch.nn.ParameterDict(
-            {n.replace(".", "__"): torch.nn.Parameter(torch.zeros(1)) for n in names}
-        )
-        self.names = names
-
-    def named_parameters(self, *args, **kwargs):
-        return iter([(n, self.params[n.replace(".", "__")]) for n in self.names])
-
-
-class _FakeLLM:
-    def __init__(self, hf_names: list[str], log: list, **kwargs) -> None:
-        self.kwargs, self.log, self.model = kwargs, log, _FakeVLLMModel(hf_names)
-        self.loaded: dict[str, torch.Tensor] = {}
-        self.group_at_init = (
-            dist.is_initialized() and dist.get_backend(),
-            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
-        )
-        self.llm_engine = SimpleNamespace(
-            engine_core=SimpleNamespace(shutdown=lambda: log.append(("shutdown",)))
-        )
-        torch.manual_seed(12345)  # like vLLM's set_random_seed: the engine must shield the caller's RNG
-        log.append(("LLM",))
-
-    def apply_model(self, fn):
-        self.log.append(("apply_model",))
-        return [fn(self.model)]
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.log.append(("rpc", method))
-        assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
-        for name, t in kwargs["weights_iterator"]:
-            self.loaded[name] = t.clone()
-
-    def reset_prefix_cache(self):
-        self.log.append(("reset_prefix_cache",))
-
-    def sleep(self, level):
-        self.log.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.log.append(("wake_up", tags))
-
-    def generate(self, prompts, sampling_params, use_tqdm=True):
-        self.log.append(("generate", len(prompts)))
-        sp = sampling_params
-        self.last_params = sp
-        outs = []
-        for _ in prompts:
-            samples = []
-            for j in range(sp.kwargs["n"]):
-                toks = torch.randint(0, 100, (sp.kwargs["max_tokens"],)).tolist()  # the global RNG
-                lps = [{t: SimpleNamespace(logprob=-0.5)} for t in toks]
-                samples.append(SimpleNamespace(index=j, token_ids=toks, logprobs=lps, finish_reason="length"))
-            outs.append(SimpleNamespace(outputs=samples[::-1]))  # vLLM does not promise index order
-        self.last_outs = outs
-        return outs
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch, tiny_model, tmp_path):
-    """Installs a fake `vllm` package; returns the call log. The tiny model gets a directory to 'load'."""
-    log: list = []
-    hf_names = list(tiny_model.state_dict())
-    llms: list[_FakeLLM] = []
-
-    def LLM(**kwargs):
-        llms.append(_FakeLLM(hf_names, log, **kwargs))
-        return llms[-1]
-
-    def destroy_distributed_environment():
-        log.append(("destroy_distributed_environment",))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    platform = SimpleNamespace(is_sleep_mode_available=lambda: True, is_cpu=lambda: True)
-    modules = {
-        "vllm": SimpleNamespace(
-            __version__="0.32.0", LLM=LLM, SamplingParams=lambda **kw: SimpleNamespace(kwargs=kw)
-        ),
-        "vllm.platforms": SimpleNamespace(current_platform=platform),
-        "vllm.distributed": SimpleNamespace(
-            destroy_model_parallel=lambda: log.append(("destroy_model_parallel",)),
-            destroy_distributed_environment=destroy_distributed_environment,
-        ),
-    }
-    for name, mod in modules.items():
-        monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine must override it
-    tiny_model.config._name_or_path = str(tmp_path)
-    yield SimpleNamespace(log=log, llms=llms)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _vllm_engine(model, tokenizer, **rollout):
-    cfg = RolloutConfig(engine="vllm", batch_size=16, max_new_tokens=6, **rollout)
-    return make_engine(cfg, model, tokenizer, seed=3, max_prompt_len=100)
+# VLLMEngine against the small fake `vllm` of tests/helpers.py (installed by conftest's fake_vllm):
+# call order and arguments. tests/test_vllm.py runs the same engine on the real vLLM (CPU build).
 
 
 def test_vllm_engine_arguments_and_start_order(fake_vllm, tiny_model, tiny_tokenizer):
-    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    engine = vllm_engine(tiny_model, tiny_tokenizer)
     llm = fake_vllm.llms[0]
     assert isinstance(engine, RolloutEngine)
     kw = llm.kwargs
@@ -432,7 +313,7 @@ def test_vllm_engine_arguments_and_start_order(fake_vllm, tiny_model, tiny_token
 
 
 def test_vllm_engine_config_overrides(fake_vllm, tiny_model, tiny_tokenizer):
-    _vllm_engine(
+    vllm_engine(
         tiny_model,
         tiny_tokenizer,
         vllm_dtype="bfloat16",
@@ -450,7 +331,7 @@ def test_vllm_engine_config_overrides(fake_vllm, tiny_model, tiny_tokenizer):
 
 
 def test_vllm_generate_one_request_per_prompt_seeded_once(fake_vllm, tiny_model, tiny_tokenizer, prompts):
-    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    engine = vllm_engine(tiny_model, tiny_tokenizer)
     llm = fake_vllm.llms[0]
     torch.manual_seed(7)
     np.random.seed(7)
@@ -474,7 +355,7 @@ def test_vllm_generate_one_request_per_prompt_seeded_once(fake_vllm, tiny_model,
 
 
 def test_vllm_sleep_level_2_always_reloads_at_wake(fake_vllm, tiny_model, tiny_tokenizer, prompts):
-    engine = _vllm_engine(tiny_model, tiny_tokenizer)  # level 2 is the default
+    engine = vllm_engine(tiny_model, tiny_tokenizer)  # level 2 is the default
     log = fake_vllm.log
     del log[:]
     engine.sleep()
@@ -498,7 +379,7 @@ def test_vllm_sleep_level_2_always_reloads_at_wake(fake_vllm, tiny_model, tiny_t
 
 
 def test_vllm_sleep_level_1_reloads_only_after_a_sync(fake_vllm, tiny_model, tiny_tokenizer):
-    engine = _vllm_engine(tiny_model, tiny_tokenizer, vllm_sleep_level=1)
+    engine = vllm_engine(tiny_model, tiny_tokenizer, vllm_sleep_level=1)
     log = fake_vllm.log
     del log[:]
     engine.sleep()
@@ -512,7 +393,7 @@ def test_vllm_sleep_level_1_reloads_only_after_a_sync(fake_vllm, tiny_model, tin
 
 
 def test_vllm_awake_sync_loads_at_once_and_level_0_never_sleeps(fake_vllm, tiny_model, tiny_tokenizer):
-    engine = _vllm_engine(tiny_model, tiny_tokenizer, vllm_sleep_level=0)
+    engine = vllm_engine(tiny_model, tiny_tokenizer, vllm_sleep_level=0)
     del fake_vllm.log[:]
     engine.sleep()
     engine.wake()
@@ -529,7 +410,7 @@ def test_vllm_lora_sync_sends_merged_base_weights(fake_vllm, tiny_model, tiny_to
         for n, p in lora.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
-    _vllm_engine(lora, tiny_tokenizer)
+    vllm_engine(lora, tiny_tokenizer)
     loaded = fake_vllm.llms[0].loaded
     assert list(loaded) == names
     for k, v in lora.merge_and_unload().state_dict().items():
@@ -540,7 +421,7 @@ def test_vllm_lora_sync_sends_merged_base_weights(fake_vllm, tiny_model, tiny_to
 def test_vllm_coverage_check_refuses_a_partial_sync(fake_vllm, monkeypatch, tiny_model, tiny_tokenizer):
     import opsd.rollout as rollout
 
-    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    engine = vllm_engine(tiny_model, tiny_tokenizer)
     full = rollout.merged_weight_names
     gap = "model.layers.1.self_attn.k_proj.weight"
     monkeypatch.setattr(rollout, "merged_weight_names", lambda m: [k for k in full(m) if k != gap])
@@ -568,21 +449,21 @@ def test_check_weight_coverage():
 
 
 def test_vllm_close_frees_the_group_it_created(fake_vllm, tiny_model, tiny_tokenizer):
-    engine = _vllm_engine(tiny_model, tiny_tokenizer)
+    engine = vllm_engine(tiny_model, tiny_tokenizer)
     del fake_vllm.log[:]
     engine.close()
     assert fake_vllm.log == [("shutdown",), ("destroy_model_parallel",), ("destroy_distributed_environment",)]
     assert not dist.is_initialized()
     engine.close()  # idempotent
-    _vllm_engine(tiny_model, tiny_tokenizer).close()  # e.g. `opsd eval` over several models
+    vllm_engine(tiny_model, tiny_tokenizer).close()  # e.g. `opsd eval` over several models
 
 
 def test_vllm_tensor_parallel_needs_torchrun(fake_vllm, tiny_model, tiny_tokenizer):
     with pytest.raises(UserError, match="tensor_parallel_size=2 needs torchrun"):
-        _vllm_engine(tiny_model, tiny_tokenizer, tensor_parallel_size=2)
+        vllm_engine(tiny_model, tiny_tokenizer, tensor_parallel_size=2)
 
 
 def test_vllm_missing_is_a_clear_error(monkeypatch, tiny_model, tiny_tokenizer):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
     with pytest.raises(UserError, match=r"pip install opsd\[vllm\]"):
-        _vllm_engine(tiny_model, tiny_tokenizer)
+        vllm_engine(tiny_model, tiny_tokenizer)

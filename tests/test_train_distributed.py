@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_distributed import _spawn
-from test_trainer import build_assets, make_cfg
+from helpers import FULL_FT, ScriptedEngine, build_assets, make_cfg, spawn
 
 from opsd import Trainer
 from opsd.checkpoint import list_checkpoints
@@ -108,7 +107,7 @@ def test_two_ranks_match_one_and_resume_across_world_sizes(assets, tmp_path):
     draw other numbers, so a sampled run resumed at another world size continues correctly but not
     bit for bit like the uninterrupted one.
     """
-    _spawn(_runs_worker, assets, str(tmp_path))
+    spawn(_runs_worker, assets, str(tmp_path))
     sampled = _metrics(tmp_path / "sampled-full")
     assert [r["step"] for r in sampled] == [1, 2, 3, 4]
     _same(_metrics(tmp_path / "sampled-part"), sampled, rel=1e-6)
@@ -171,7 +170,7 @@ def _sigterm_worker(d, paths: dict, root: str) -> None:
 
 @pytest.mark.slow
 def test_sigterm_to_one_rank_stops_all_after_the_same_step(assets, tmp_path):
-    _spawn(_sigterm_worker, assets, str(tmp_path))
+    spawn(_sigterm_worker, assets, str(tmp_path))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r in ranks:
         assert [h["step"] for h in r["hist"]] == [1, 2] and r["stopped"]
@@ -269,7 +268,6 @@ def test_prompts_per_step_is_the_global_batch():
 def _bf16_worker(d, paths: dict, root: str) -> None:
     """Full fine-tuning in bf16 compute over float32 masters (FSDP2's param_dtype), and LoRA over a
     bf16 base, on this rank; rank 0 writes what it saw."""
-    from test_precision import FULL_FT, ScriptedEngine
     from torch.distributed.tensor import DTensor
 
     import opsd.trainer
@@ -311,7 +309,7 @@ def test_two_ranks_bf16_full_finetuning_keeps_float32_masters(assets, tmp_path):
     """Under torchrun, model.dtype=bfloat16 is FSDP2's compute dtype over float32 sharded masters:
     10 steps at lr 5e-6 move at least 80% of the weights (as one process does), and LoRA adapters
     stay float32 over a bf16 base."""
-    _spawn(_bf16_worker, assets, str(tmp_path))
+    spawn(_bf16_worker, assets, str(tmp_path))
     report = json.loads((tmp_path / "bf16.json").read_text())
     assert report["moved"] >= 0.8, report
     assert set(report["local"].values()) == {"torch.float32"}, report
@@ -361,7 +359,7 @@ def test_sharded_generation_gathers_once_and_equals_unsharded(tmp_path, tiny_tok
     from opsd.rollout import HFEngine, SamplingParams
     from opsd.tiny import build_tiny_model
 
-    _spawn(_generation_worker, str(tmp_path))
+    spawn(_generation_worker, str(tmp_path))
     model = build_tiny_model(tiny_tokenizer, hidden_size=32, seed=0)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"gen{rank}.json").read_text())

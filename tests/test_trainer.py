@@ -7,13 +7,13 @@ import math
 import os
 import signal
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import build_assets, make_cfg
 
 import opsd.trainer as trainer_mod
-from opsd import Config, Trainer, load_config
+from opsd import Trainer, load_config
 from opsd.checkpoint import list_checkpoints
 from opsd.errors import UserError
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
@@ -22,48 +22,6 @@ from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
     return build_assets(tmp_path_factory.mktemp("assets"))
-
-
-def build_assets(root: Path) -> dict:
-    """Two tiny models (the student, and another for an external teacher) and 8 addition problems."""
-    tok = build_tiny_tokenizer()
-    for name, seed in (("model", 0), ("other", 1)):
-        m = build_tiny_model(tok, hidden_size=32, seed=seed)
-        m.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-    rows = [
-        {
-            "problem": f"What is {a} + {b}?",
-            "solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
-            "answer": str(a + b),
-        }
-        for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 5), (6, 1)]
-    ]
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"model": str(root / "model"), "other": str(root / "other"), "data": str(root / "train.jsonl")}
-
-
-def make_cfg(assets: dict, run_dir: Path, **over) -> Config:
-    base = [
-        f"model.path={assets['model']}",
-        f"data.path={assets['data']}",
-        f"logging.run_dir={run_dir}",
-        "model.lora.r=4",
-        "model.lora.alpha=8",
-        "rollout.prompts_per_step=2",
-        "rollout.n=2",
-        "rollout.max_new_tokens=6",
-        "rollout.temperature=1.0",
-        "optim.lr=0.01",
-        "optim.max_steps=2",
-        "checkpoint.every=1",
-        "logging.progress=false",
-        "logging.sample_every=1",
-        "data.max_prompt_len=256",
-        "loss.clip_mode=none",
-        "model.dtype=float32",
-    ]
-    return load_config(None, base + [f"{k}={v}" for k, v in over.items()])
 
 
 def _frozen(model) -> dict:

@@ -1,0 +1,220 @@
+"""Plain helpers shared by several test modules (fixtures live in conftest.py).
+
+Test modules import from here, never from one another. Processes spawned by ``spawn`` import this
+module by name (pytest puts tests/ on sys.path and spawned children inherit it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from opsd import Config, load_config
+from opsd import distributed as D
+from opsd.config import RolloutConfig
+from opsd.rollout import Completion, HFEngine, make_engine
+from opsd.tiny import build_tiny_model, build_tiny_tokenizer
+
+# --- the trainer's tiny assets and config (tests/test_regression.py pins numbers made with these) ---
+
+
+def build_assets(root: Path) -> dict:
+    """Two tiny models (the student, and another for an external teacher) and 8 addition problems."""
+    tok = build_tiny_tokenizer()
+    for name, seed in (("model", 0), ("other", 1)):
+        m = build_tiny_model(tok, hidden_size=32, seed=seed)
+        m.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    rows = [
+        {
+            "problem": f"What is {a} + {b}?",
+            "solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
+            "answer": str(a + b),
+        }
+        for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 1), (2, 2), (4, 5), (6, 1)]
+    ]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": str(root / "model"), "other": str(root / "other"), "data": str(root / "train.jsonl")}
+
+
+def make_cfg(assets: dict, run_dir: Path, **over) -> Config:
+    base = [
+        f"model.path={assets['model']}",
+        f"data.path={assets['data']}",
+        f"logging.run_dir={run_dir}",
+        "model.lora.r=4",
+        "model.lora.alpha=8",
+        "rollout.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=6",
+        "rollout.temperature=1.0",
+        "optim.lr=0.01",
+        "optim.max_steps=2",
+        "checkpoint.every=1",
+        "logging.progress=false",
+        "logging.sample_every=1",
+        "data.max_prompt_len=256",
+        "loss.clip_mode=none",
+        "model.dtype=float32",
+    ]
+    return load_config(None, base + [f"{k}={v}" for k, v in over.items()])
+
+
+# --- gloo ranks the tests spawn themselves -----------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, replicate: int, port: int, fn, args: tuple) -> None:
+    local = world // replicate  # ranks per "node"
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank % local),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(local),
+    )
+    torch.set_num_threads(1)
+    d = D.init_distributed("cpu", replicate=replicate)
+    try:
+        fn(d, *args)
+    finally:
+        D.shutdown()
+    D.exit_rank(0)  # as `opsd train` under torchrun ends a rank: no finalization (see exit_rank)
+
+
+def spawn(fn, *args, world: int = 2, replicate: int = 1) -> None:
+    """Run ``fn`` on ``world`` gloo ranks; any error, wrong result or crash (a signal) fails the test.
+
+    ``fn`` is pickled by reference: define it at module level of a test module (or here)."""
+    mp.spawn(_entry, args=(world, replicate, free_port(), fn, args), nprocs=world, join=True)
+
+
+# --- mixed precision in training -----------------------------------------------------------------
+
+
+class ScriptedEngine(HFEngine):
+    """The same responses for the same prompts and seed, whatever the model's dtype: a bf16 run and a
+    float32 run then differ only by arithmetic, not by which tokens their rollouts sampled."""
+
+    def __init__(self, rollout, model, tokenizer, **kwargs) -> None:
+        super().__init__(model, tokenizer)
+
+    def generate(self, prompts, n, params):
+        out = []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                rng = random.Random(f"{p}-{j}-{params.seed}")
+                toks = [rng.randrange(0, 500) for _ in range(params.max_new_tokens)]  # most embedding rows
+                out.append(Completion(i, toks, [0.0] * len(toks), "length"))
+        return out
+
+
+FULL_FT = {
+    "model.lora.enabled": "false",
+    "optim.lr": 5e-6,
+    "optim.max_steps": 10,
+    "teacher.frozen_copy": "cpu",
+    "checkpoint.every": 0,
+    "logging.sample_every": 0,
+    "optim.grad_clip": 0,
+    "rollout.max_new_tokens": 24,
+}
+
+
+# --- a small fake `vllm` for VLLMEngine: call order and arguments (the fake_vllm fixture in conftest.py
+# installs it). tests/test_vllm.py runs the same engine on the real vLLM (CPU build).
+
+
+class FakeVLLMModel(torch.nn.Module):
+    """vLLM's view of a Llama: q/k/v and gate/up packed into one parameter each."""
+
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, hf_names: list[str]) -> None:
+        super().__init__()
+        first = {parts[0]: packed for packed, parts in self.packed_modules_mapping.items()}
+        names = []
+        for n in hf_names:
+            module, leaf = n.split(".")[-2:]
+            if module in first:
+                names.append(n.replace(f".{module}.", f".{first[module]}."))
+            elif not any(module in parts for parts in self.packed_modules_mapping.values()):
+                names.append(n)
+        self.params = torch.nn.ParameterDict(
+            {n.replace(".", "__"): torch.nn.Parameter(torch.zeros(1)) for n in names}
+        )
+        self.names = names
+
+    def named_parameters(self, *args, **kwargs):
+        return iter([(n, self.params[n.replace(".", "__")]) for n in self.names])
+
+
+class FakeLLM:
+    def __init__(self, hf_names: list[str], log: list, **kwargs) -> None:
+        self.kwargs, self.log, self.model = kwargs, log, FakeVLLMModel(hf_names)
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.group_at_init = (
+            dist.is_initialized() and dist.get_backend(),
+            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
+        )
+        self.llm_engine = SimpleNamespace(
+            engine_core=SimpleNamespace(shutdown=lambda: log.append(("shutdown",)))
+        )
+        torch.manual_seed(12345)  # like vLLM's set_random_seed: the engine must shield the caller's RNG
+        log.append(("LLM",))
+
+    def apply_model(self, fn):
+        self.log.append(("apply_model",))
+        return [fn(self.model)]
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.log.append(("rpc", method))
+        assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
+        for name, t in kwargs["weights_iterator"]:
+            self.loaded[name] = t.clone()
+
+    def reset_prefix_cache(self):
+        self.log.append(("reset_prefix_cache",))
+
+    def sleep(self, level):
+        self.log.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.log.append(("wake_up", tags))
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.log.append(("generate", len(prompts)))
+        sp = sampling_params
+        self.last_params = sp
+        outs = []
+        for _ in prompts:
+            samples = []
+            for j in range(sp.kwargs["n"]):
+                toks = torch.randint(0, 100, (sp.kwargs["max_tokens"],)).tolist()  # the global RNG
+                lps = [{t: SimpleNamespace(logprob=-0.5)} for t in toks]
+                samples.append(SimpleNamespace(index=j, token_ids=toks, logprobs=lps, finish_reason="length"))
+            outs.append(SimpleNamespace(outputs=samples[::-1]))  # vLLM does not promise index order
+        self.last_outs = outs
+        return outs
+
+
+def vllm_engine(model, tokenizer, **rollout):
+    cfg = RolloutConfig(engine="vllm", batch_size=16, max_new_tokens=6, **rollout)
+    return make_engine(cfg, model, tokenizer, seed=3, max_prompt_len=100)
