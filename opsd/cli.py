@@ -74,6 +74,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_eval_arguments",
         "run_eval",
     ),
+    "compare": (
+        "OPSD vs GRPO, GRPO + distillation, SFT and controls on your model and data, over seeds",
+        "opsd.compare",
+        "add_compare_arguments",
+        "run_compare_command",
+    ),
     "report": (
         "plots and report.md for a run directory",
         "opsd.report",
@@ -114,8 +120,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before torch starts OpenMP: spin-waiting threads (the default) made CPU steps 5-7x slower
-    # whenever anything else shared the cores (measured: 564 s vs 72 s for one SmolLM2 step).
+    # Before torch starts OpenMP: spin-waiting threads (the default) made CPU steps several times
+    # slower whenever anything else shared the cores (measured in docs/benchmarks.md).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)

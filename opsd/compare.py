@@ -1,0 +1,647 @@
+"""`opsd compare`: the paper's comparison on the user's own model and data.
+
+OPSD against GRPO, GRPO with a distillation term (``mixed``), SFT on the worked solutions and two
+controls, every method from the same config: the same model, training rows, held-out set
+(``eval.path``), evaluation, schedule and budget. The budget is defined once (:class:`Budget`) and
+printed: equal optimizer steps and equal responses per step (OPSD samples ``rollout.n`` responses to
+each of ``rollout.prompts_per_step`` problems; GRPO and mixed sample ``grpo_n`` to each of fewer
+problems; SFT trains on as many worked solutions a step, which count as its data).
+
+Every trainer method is `opsd train`'s Trainer with a few overrides (:func:`method_overrides`), in a
+run directory of its own (``OUT/seedS/METHOD``; `opsd report` works on each). The comparison resumes
+where it stopped: a finished method is read back, not rerun; an unfinished one resumes from its last
+checkpoint (written at every evaluation). GRPO's settings come from ``OUT/tune/grpo.json`` when
+`opsd compare --tune grpo` has chosen them (by training reward on seeds that are not reported), and
+from the config otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from opsd.errors import UserError
+
+METHODS: dict[str, str] = {
+    "opsd": "OPSD",
+    "grpo": "GRPO",
+    "mixed": "GRPO + distillation",
+    "sft": "SFT on the solutions",
+    "control_a": "control A: teacher without the solution",
+    "control_b": "control B: teacher with another problem's solution",
+}
+NOTES = {
+    "control_a": "with teacher.mode=fixed its teacher is the initial student reading the same prompt: "
+    "the divergence and the gradient are zero at step 0 and stay zero, so it cannot move by construction",
+}
+MARKER = "compare.json"  # only a directory holding it is written into again
+TUNE_FILE = Path("tune") / "grpo.json"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What every method gets: optimizer steps, responses (or worked solutions) per step, and the
+    held-out evaluations in between."""
+
+    steps: int
+    responses_per_step: int
+    eval_every: int
+
+    def describe(self) -> str:
+        return (
+            f"equal budget: {self.steps} optimizer steps and {self.responses_per_step} responses per step "
+            f"for every method (SFT: {self.responses_per_step} worked solutions per step, its data); "
+            f"held-out evaluation every {self.eval_every} steps"
+        )
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """GRPO's own choices within the budget: learning rate, sampling temperature, samples per
+    problem (``n`` divides the responses per step), and std scaling of the advantages."""
+
+    lr: float
+    temperature: float
+    n: int
+    scale_rewards: bool
+
+    def overrides(self, budget: Budget) -> list[str]:
+        return [
+            "objective=grpo",
+            f"optim.lr={self.lr}",
+            f"rollout.temperature={self.temperature}",
+            f"rollout.n={self.n}",
+            f"rollout.prompts_per_step={budget.responses_per_step // self.n}",
+            f"grpo.scale_rewards={str(self.scale_rewards).lower()}",
+        ]
+
+
+@dataclass
+class EvalPoint:
+    step: int
+    accuracy: float
+    generated_tokens: int  # rollout tokens sampled so far; 0 for SFT
+    train_seconds: float  # training wall time so far, evaluations excluded
+    divergence: float | None = None  # held-out divergence (eval.divergence)
+
+
+@dataclass
+class MethodRun:
+    method: str
+    seed: int
+    points: list[EvalPoint] = field(default_factory=list)
+    lr: float = 0.0
+    finished: bool = False
+
+    @property
+    def final(self) -> EvalPoint:
+        return self.points[-1]
+
+
+def method_overrides(method: str, grpo: GRPOSettings, distill_coef: float, budget: Budget) -> list[str]:
+    """What a trainer method changes in the user's config."""
+    if method == "opsd":
+        return []
+    if method == "control_a":
+        return ["teacher.privileged=false"]
+    if method == "control_b":
+        return ["teacher.solution_source=other"]
+    if method == "grpo":
+        return grpo.overrides(budget)
+    if method == "mixed":
+        return [*grpo.overrides(budget), f"grpo.distill_coef={distill_coef}"]
+    raise UserError(f"unknown method {method!r}; choose from {list(METHODS)}")
+
+
+def default_grpo(cfg, budget: Budget, n: int) -> GRPOSettings:
+    """GRPO's settings from the config, with ``n`` samples per problem."""
+    check_group_size(n, budget)
+    return GRPOSettings(cfg.optim.lr, cfg.rollout.temperature, n, cfg.grpo.scale_rewards)
+
+
+def check_group_size(n: int, budget: Budget) -> None:
+    r = budget.responses_per_step
+    if n < 2 or r % n:
+        raise UserError(
+            f"--grpo-n {n}: GRPO needs at least 2 samples per problem, and a divisor of the {r} responses "
+            "per step (rollout.prompts_per_step x rollout.n) so that every method samples as many"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# One method on one seed
+
+
+def _arm_config(config: Path | None, overrides: list[str], extra: list[str]):
+    from opsd.config import load_config
+
+    return load_config(config, [*overrides, *extra])
+
+
+def run_trainer_method(
+    method: str,
+    seed: int,
+    config: Path | None,
+    overrides: list[str],
+    extra: list[str],
+    run_dir: Path,
+    budget: Budget,
+    base: EvalPoint | None,
+    progress: bool,
+) -> MethodRun:
+    """OPSD, GRPO, mixed or a control: the Trainer with the method's overrides, evaluated every
+    ``budget.eval_every`` steps; resumes from the last checkpoint when the run directory has one."""
+    from opsd.checkpoint import latest_checkpoint
+    from opsd.trainer import Trainer
+
+    common = [
+        f"seed={seed}",
+        f"logging.run_dir={run_dir}",
+        f"optim.max_steps={budget.steps}",
+        "eval.every=0",  # evaluated here, between train() calls
+        "checkpoint.enabled=true",
+        f"checkpoint.every={budget.eval_every}",
+        "checkpoint.keep_last=1",
+        f"logging.progress={str(progress).lower()}",
+        "logging.step_lines=false",
+    ]
+    cfg = _arm_config(config, overrides, [*extra, *common])
+    log = run_dir / "compare_eval.jsonl"
+    # Resume only what has its base evaluation; anything else in the run directory starts over.
+    resume = latest_checkpoint(run_dir) is not None and bool(_read_points(log))
+    trainer = Trainer(cfg, resume=resume, overwrite=not resume)
+    run = MethodRun(method, seed, lr=cfg.optim.lr)
+    run.points = [p for p in _read_points(log) if p.step <= trainer.step_num] if resume else []
+    per_step = cfg.rollout.prompts_per_step * cfg.rollout.n
+    try:
+        if not run.points:
+            run.points.append(base or _evaluate(trainer, 0, 0, 0.0))
+        while True:
+            if run.final.step < trainer.step_num:  # trained (or resumed) past the last evaluation
+                tokens, seconds = _spent(run_dir / "metrics.jsonl", per_step)
+                run.points.append(_evaluate(trainer, trainer.step_num, tokens, seconds))
+                _write_points(log, run.points)
+                _say(progress, f"seed {seed} {method} step {trainer.step_num}: {_point_text(run.final)}")
+            if trainer.step_num >= budget.steps:
+                break
+            until = min(budget.steps, trainer.step_num + budget.eval_every)
+            trainer.train(until_step=until)
+            if trainer.step_num < until:  # a signal: the trainer saved a checkpoint and returned
+                raise KeyboardInterrupt(f"stopped {method} seed {seed} at step {trainer.step_num}")
+    finally:
+        trainer.close()
+    run.finished = True
+    return run
+
+
+def _spent(metrics_path: Path, responses_per_step: int) -> tuple[int, float]:
+    """Generated tokens and training seconds so far, from the run's own step records (a resumed
+    run's records end at its checkpoint, so these count every step once)."""
+    tokens, seconds = 0, 0.0
+    for line in metrics_path.read_text().splitlines():
+        rec = json.loads(line)
+        if "time_step" in rec:
+            tokens += round(rec["resp_len_mean"] * responses_per_step)
+            seconds += rec["time_step"]
+    return tokens, seconds
+
+
+def _evaluate(trainer, step: int, tokens: int, seconds: float) -> EvalPoint:
+    rec = trainer.evaluate()
+    k = trainer.cfg.eval.k
+    return EvalPoint(step, rec[f"eval/avg@{k}"], tokens, seconds, rec.get("eval/divergence"))
+
+
+def run_sft_method(
+    seed: int,
+    config: Path | None,
+    overrides: list[str],
+    run_dir: Path,
+    budget: Budget,
+    lr: float,
+    base: EvalPoint | None,
+    progress: bool,
+) -> MethodRun:
+    """`opsd sft`'s loop on the worked solutions of the training rows, ``responses_per_step`` rows a
+    step, with the config's schedule, model, LoRA setting and dtype, evaluated like the trainer
+    methods (the trainer's own evaluation, on a trainer that never steps). Unfinished, it reruns."""
+    import torch
+
+    from opsd.sft import sft, sft_pairs_from_examples
+    from opsd.trainer import Trainer
+
+    common = [
+        f"seed={seed}",
+        f"logging.run_dir={run_dir}",
+        "eval.every=0",
+        "checkpoint.enabled=false",
+        "logging.progress=false",
+        "teacher.mode=live",  # SFT has no teacher: no frozen copy of the weights
+        "teacher.path=null",
+    ]
+    cfg = _arm_config(config, overrides, common)
+    # A Trainer that never steps holds the model, its precision, the held-out set and the evaluation
+    # every other method uses: SFT trains its model in place, and it is scored the same way.
+    trainer = Trainer(cfg, overwrite=True)
+    run = MethodRun("sft", seed, lr=lr)
+    o = cfg.optim
+    pairs = sft_pairs_from_examples(
+        trainer.tokenizer,
+        trainer.examples,
+        instruction=cfg.data.instruction,
+        enable_thinking=cfg.data.student_thinking,
+        max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
+    )
+    clock = {"train": 0.0, "since": time.time()}
+
+    def evaluate(step: int, loss: float) -> None:
+        if step % budget.eval_every and step != budget.steps:
+            return
+        clock["train"] += time.time() - clock["since"]
+        run.points.append(_evaluate(trainer, step, 0, clock["train"]))
+        _say(progress, f"seed {seed} sft step {step}: {_point_text(run.final)}")
+        clock["since"] = time.time()
+
+    try:
+        run.points.append(base or _evaluate(trainer, 0, 0, 0.0))
+        torch.manual_seed(seed)
+        sft(
+            trainer.model,
+            pairs,
+            steps=budget.steps,
+            lr=lr,
+            batch_size=budget.responses_per_step,
+            seed=seed,
+            pad_id=trainer.pad_id,
+            warmup=o.warmup_steps,
+            schedule=o.scheduler,
+            min_lr_ratio=o.min_lr_ratio,
+            grad_clip=o.grad_clip or float("inf"),
+            weight_decay=o.weight_decay,
+            progress=progress,
+            desc=f"sft seed {seed}",
+            callback=evaluate,
+            autocast_dtype=trainer.precision.compute if trainer.precision.mixed else None,
+        )
+    finally:
+        trainer.close()
+    _write_points(run_dir / "compare_eval.jsonl", run.points)
+    run.finished = True
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# Every method on every seed
+
+
+def run_compare(
+    config: Path | None,
+    overrides: list[str],
+    out: Path,
+    *,
+    methods: list[str],
+    seeds: list[int],
+    steps: int | None = None,
+    eval_every: int | None = None,
+    grpo_n: int = 8,
+    sft_lr: float | None = None,
+    distill_coef: float | None = None,
+    progress: bool = True,
+) -> dict:
+    """Every method on every seed into ``out``; writes compare.json, compare.md and compare.png."""
+    cfg = _arm_config(config, overrides, [])
+    if not cfg.eval.path:
+        raise UserError(
+            "opsd compare needs eval.path: a held-out file with answers, the same for every method"
+        )
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+    steps = steps or cfg.optim.max_steps
+    budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, eval_every or max(1, steps // 4))
+    out = Path(out)
+    _claim(out)
+    tuned = out / TUNE_FILE
+    if tuned.is_file():
+        grpo = GRPOSettings(**json.loads(tuned.read_text())["chosen"])
+        check_group_size(grpo.n, budget)
+        grpo_source = f"chosen by `opsd compare --tune grpo` ({tuned})"
+    else:
+        grpo = default_grpo(cfg, budget, min(grpo_n, budget.responses_per_step))
+        grpo_source = "from the config (run `opsd compare --tune grpo` to choose them)"
+    coef = distill_coef if distill_coef is not None else (cfg.grpo.distill_coef or 1.0)
+    sft_lr = sft_lr or cfg.optim.lr
+    _say(True, budget.describe())
+    _say(True, f"GRPO settings {asdict(grpo)}, {grpo_source}; mixed adds grpo.distill_coef={coef}")
+    for m in methods:
+        if m in NOTES:
+            _say(True, f"{METHODS[m]}: {NOTES[m]}")
+    runs: list[MethodRun] = []
+    for seed in seeds:
+        base = None
+        for method in methods:
+            run_dir = out / f"seed{seed}" / method
+            done = run_dir / "compare_method.json"
+            if done.is_file():  # finished earlier: read back, not rerun
+                run = _read_run(done)
+            elif method == "sft":
+                run = run_sft_method(seed, config, overrides, run_dir, budget, sft_lr, base, progress)
+            else:
+                extra = method_overrides(method, grpo, coef, budget)
+                run = run_trainer_method(
+                    method, seed, config, overrides, extra, run_dir, budget, base, progress
+                )
+            done.write_text(json.dumps(asdict(run), indent=2))
+            base = base or run.points[0]  # every method of a seed starts from one base evaluation
+            runs.append(run)
+    result = {
+        "budget": asdict(budget),
+        "grpo": asdict(grpo),
+        "grpo_source": grpo_source,
+        "distill_coef": coef,
+        "lr": {"opsd": cfg.optim.lr, "sft": sft_lr, "grpo": grpo.lr},
+        "methods": methods,
+        "seeds": seeds,
+        "runs": [asdict(r) for r in runs],
+    }
+    (out / MARKER).write_text(json.dumps(result, indent=2))
+    table = format_table(result)
+    (out / "compare.md").write_text(table + "\n")
+    result["plot"] = str(plot_compare(out / "compare.png", result))
+    print(table)
+    return result
+
+
+def _claim(out: Path) -> None:
+    """Only an `opsd compare` directory (or an empty one) is written into; the marker goes in first."""
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise UserError(f"{out} exists and is not an `opsd compare` directory; pass another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).is_file():
+        (out / MARKER).write_text("{}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Choosing GRPO's settings on seeds that are not reported
+
+
+def tune_grid(cfg, budget: Budget) -> list[GRPOSettings]:
+    """At most 8 settings: the config's learning rate times 1/3, 1, 3 and 10, with 4 and 8 samples per
+    problem where they divide the responses per step; the config's temperature and std scaling."""
+    ns = [n for n in (4, 8) if n <= budget.responses_per_step and budget.responses_per_step % n == 0]
+    ns = ns or [budget.responses_per_step]
+    lrs = [cfg.optim.lr * f for f in (1 / 3, 1, 3, 10)]
+    t, scale = cfg.rollout.temperature, cfg.grpo.scale_rewards
+    return [GRPOSettings(lr, t, n, scale) for n in ns for lr in lrs][:8]
+
+
+def run_tune(
+    config: Path | None,
+    overrides: list[str],
+    out: Path,
+    *,
+    tune_seeds: list[int],
+    reported: list[int],
+    steps: int,
+    progress: bool = True,
+) -> dict:
+    """Train GRPO at each setting of :func:`tune_grid` for ``steps`` on each tuning seed, without any
+    held-out evaluation, and choose the setting with the highest mean training reward over the last
+    half of the steps. Writes ``OUT/tune/grpo.json``, which `opsd compare` then uses."""
+    from opsd.trainer import Trainer
+
+    clash = sorted(set(tune_seeds) & set(reported))
+    if clash:
+        raise UserError(f"--tune-seeds {clash} are also reported (--seeds): tune on seeds that are not")
+    cfg = _arm_config(config, overrides, [])
+    budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, steps)
+    out = Path(out)
+    _claim(out)
+    results = []
+    for i, setting in enumerate(tune_grid(cfg, budget)):
+        rewards = []
+        for seed in tune_seeds:
+            run_dir = out / "tune" / f"setting{i}_seed{seed}"
+            extra = [
+                *setting.overrides(budget),
+                f"seed={seed}",
+                f"logging.run_dir={run_dir}",
+                f"optim.max_steps={steps}",
+                # The held-out set is never read while tuning: it decides nothing here.
+                "eval.path=null",
+                "eval.every=0",
+                "eval.divergence=false",
+                "checkpoint.enabled=false",
+                f"logging.progress={str(progress).lower()}",
+                "logging.step_lines=false",
+            ]
+            trainer = Trainer(_arm_config(config, overrides, extra), overwrite=True)
+            try:
+                history = trainer.train()
+            finally:
+                trainer.close()
+            rewards.append([rec["reward_mean"] for rec in history])
+        late = [sum(r[len(r) // 2 :]) / len(r[len(r) // 2 :]) for r in rewards]
+        first = [r[0] for r in rewards]
+        results.append(
+            {
+                "setting": asdict(setting),
+                "late_reward": sum(late) / len(late),
+                "first_reward": sum(first) / len(first),
+                "rewards": rewards,
+            }
+        )
+        _say(progress, f"tune {i}: {asdict(setting)} late reward {results[-1]['late_reward']:.3f}")
+    best = max(results, key=lambda r: (r["late_reward"], -r["setting"]["lr"]))
+    improves = best["late_reward"] > best["first_reward"]
+    tune = {
+        "seeds": tune_seeds,
+        "steps": steps,
+        "results": results,
+        "chosen": best["setting"],
+        "improves_on_first_step": improves,
+    }
+    path = out / TUNE_FILE
+    path.write_text(json.dumps(tune, indent=2))
+    verdict = "improves" if improves else "does NOT improve"
+    _say(True, f"chosen {best['setting']}: its training reward {verdict} on its first step's; {path}")
+    return tune
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading, the table, the plot
+
+
+def _write_points(path: Path, points: list[EvalPoint]) -> None:
+    path.write_text("".join(json.dumps(asdict(p)) + "\n" for p in points))
+
+
+def _read_points(path: Path) -> list[EvalPoint]:
+    if not path.is_file():
+        return []
+    return [EvalPoint(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _read_run(path: Path) -> MethodRun:
+    d = json.loads(path.read_text())
+    points = [EvalPoint(**p) for p in d.pop("points")]
+    return MethodRun(points=points, **d)
+
+
+def _point_text(p: EvalPoint) -> str:
+    div = f", held-out divergence {p.divergence:.4f}" if p.divergence is not None else ""
+    return f"held-out accuracy {100 * p.accuracy:.1f}%{div}"
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _runs(result: dict, method: str) -> list[dict]:
+    return [r for r in result["runs"] if r["method"] == method]
+
+
+def _spread(xs: list[float]) -> str:
+    mean = sum(xs) / len(xs)
+    half = (max(xs) - min(xs)) / 2
+    return f"{100 * mean:.1f}%" + (f" ± {100 * half:.1f}" if len(xs) > 1 else "")
+
+
+def format_table(result: dict) -> str:
+    """Held-out accuracy (mean ± half the range over seeds), its gain over the base model, generated
+    tokens and training wall time per method; the budget and learning rates underneath."""
+    lines = [
+        "| method | held-out accuracy | gain | held-out divergence | generated tokens | train time | lr |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lr = result["lr"]
+    for m in result["methods"]:
+        runs = _runs(result, m)
+        final = [r["points"][-1] for r in runs]
+        gains = [r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in runs]
+        divs = [p["divergence"] for p in final if p["divergence"] is not None]
+        div = f"{sum(divs) / len(divs):.4f}" if divs else "-"
+        tokens = sum(p["generated_tokens"] for p in final) / len(final)
+        secs = sum(p["train_seconds"] for p in final) / len(final)
+        rate = lr["sft"] if m == "sft" else lr["grpo"] if m in ("grpo", "mixed") else lr["opsd"]
+        acc = _spread([p["accuracy"] for p in final])
+        lines.append(
+            f"| {METHODS[m]} | {acc} | {100 * sum(gains) / len(gains):+.1f} | {div} | {tokens:,.0f} "
+            f"| {secs:.0f} s | {rate:g} |"
+        )
+    base = [r["points"][0]["accuracy"] for r in result["runs"]]
+    b = result["budget"]
+    lines += [
+        "",
+        f"Base model: {_spread(base)} held-out accuracy. Seeds {result['seeds']}; {b['steps']} steps, "
+        f"{b['responses_per_step']} responses per step; GRPO {result['grpo']} ({result['grpo_source']}); "
+        f"mixed: grpo.distill_coef={result['distill_coef']}.",
+    ]
+    return "\n".join(lines)
+
+
+def plot_compare(path: Path, result: dict) -> Path:
+    """Mean held-out accuracy against optimizer steps and against generated tokens, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in result["methods"]:
+        runs = _runs(result, m)
+        n = min(len(r["points"]) for r in runs)
+        mean = [sum(r["points"][i]["accuracy"] for r in runs) / len(runs) for i in range(n)]
+        steps = [runs[0]["points"][i]["step"] for i in range(n)]
+        tokens = [sum(r["points"][i]["generated_tokens"] for r in runs) / len(runs) for i in range(n)]
+        by_step.plot(steps, mean, marker="o", label=METHODS[m])
+        if m != "sft":
+            by_tokens.plot(tokens, mean, marker="o", label=METHODS[m])
+    by_step.set(xlabel="optimizer step", ylabel="held-out accuracy", title="accuracy vs steps")
+    by_tokens.set(xlabel="generated tokens", ylabel="held-out accuracy", title="accuracy vs generated tokens")
+    by_step.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "OPSD against GRPO, GRPO + distillation, SFT and controls on your model and data, at one budget, "
+        "over seeds: `opsd compare --config run.yaml --methods opsd,grpo,sft,mixed --steps 100 --seeds 0,1`."
+    )
+    p.add_argument("--config", type=Path, help="the `opsd train` YAML config (with eval.path)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, as for opsd train")
+    p.add_argument("--methods", default="opsd,grpo,sft,mixed,control_b", help=f"from {','.join(METHODS)}")
+    p.add_argument("--seeds", type=_ints, default=[0], help="reported seeds, e.g. 0,1,2")
+    p.add_argument("--steps", type=int, help="optimizer steps per method (default: optim.max_steps)")
+    p.add_argument("--eval-every", type=int, help="held-out evaluation every K steps (default: steps/4)")
+    p.add_argument("--out", type=Path, default=Path("runs/compare"), help="the comparison's directory")
+    p.add_argument("--grpo-n", type=int, default=8, help="GRPO samples per problem (untuned)")
+    p.add_argument("--sft-lr", type=float, help="SFT's learning rate (default: optim.lr)")
+    p.add_argument(
+        "--distill-coef", type=float, help="mixed: grpo.distill_coef (default: the config's, or 1)"
+    )
+    p.add_argument("--tune", choices=["grpo"], help="choose GRPO's settings on --tune-seeds, then stop")
+    p.add_argument("--tune-seeds", type=_ints, default=[1000, 1001], help="seeds for --tune (not reported)")
+    p.add_argument("--tune-steps", type=int, default=100, help="steps per tuning run")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_compare_command(args: argparse.Namespace) -> int:
+    if args.config is None:
+        raise UserError("--config is required (the `opsd train` config of the comparison)")
+    for name in ("steps", "eval_every", "tune_steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    if args.tune:
+        run_tune(
+            args.config,
+            args.overrides,
+            args.out,
+            tune_seeds=args.tune_seeds,
+            reported=args.seeds,
+            steps=args.tune_steps,
+            progress=not args.no_progress,
+        )
+        return 0
+    result = run_compare(
+        args.config,
+        args.overrides,
+        args.out,
+        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+        seeds=args.seeds,
+        steps=args.steps,
+        eval_every=args.eval_every,
+        grpo_n=args.grpo_n,
+        sft_lr=args.sft_lr,
+        distill_coef=args.distill_coef,
+        progress=not args.no_progress,
+    )
+    finals = [r["points"][-1]["accuracy"] for r in result["runs"]]
+    if any(math.isnan(a) for a in finals):
+        raise UserError("a method's held-out accuracy is NaN: check eval.path and eval.answer_key")
+    print(f"comparison: {args.out} (compare.md, compare.png, compare.json)", file=sys.stderr)
+    return 0

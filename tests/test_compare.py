@@ -1,0 +1,147 @@
+"""`opsd compare` on the tiny model: every method at one budget, resume without rerunning, and GRPO's
+tuning on seeds whose held-out set it never reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import build_assets
+
+import opsd.trainer as trainer_mod
+from opsd import compare
+from opsd.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    a = build_assets(root)
+    rows = [
+        {"problem": f"What is {x} + 3?", "solution": f"{x} + 3 = {x + 3}.", "answer": str(x + 3)}
+        for x in range(4)
+    ]
+    (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return a | {"heldout": str(root / "heldout.jsonl")}
+
+
+def _overrides(assets) -> list[str]:
+    return [
+        f"model.path={assets['model']}",
+        f"data.path={assets['data']}",
+        "model.lora.r=4",
+        "model.lora.alpha=8",
+        "rollout.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "rollout.temperature=1.0",
+        "optim.lr=0.01",
+        "loss.clip_mode=none",
+        "model.dtype=float32",
+        "data.max_prompt_len=256",
+        f"eval.path={assets['heldout']}",
+        "eval.limit=2",
+        "eval.max_new_tokens=4",
+        "eval.divergence=true",
+        "grpo.grader=test_regression:letter_e_reward",
+        "logging.sample_every=0",
+    ]
+
+
+def test_every_method_at_one_budget(assets, tmp_path):
+    out = tmp_path / "cmp"
+    methods = list(compare.METHODS)
+    result = compare.run_compare(
+        None, _overrides(assets), out, methods=methods, seeds=[0], steps=2, eval_every=1, progress=False
+    )
+    assert json.loads((out / "compare.json").read_text())["methods"] == methods
+    assert (out / "compare.png").stat().st_size > 0
+    table = (out / "compare.md").read_text()
+    assert all(compare.METHODS[m] in table for m in methods)
+    runs = {r["method"]: r for r in result["runs"]}
+    base = runs["opsd"]["points"][0]
+    for m in methods:
+        points = runs[m]["points"]
+        assert [p["step"] for p in points] == [0, 1, 2]
+        assert points[0] == base  # one base evaluation per seed, shared
+        assert all(p["divergence"] is None or p["divergence"] >= 0 for p in points)
+        if m != "sft":  # a trainer run directory that `opsd report` reads
+            assert (out / "seed0" / m / "metrics.jsonl").is_file()
+    # Equal responses per step: OPSD 2 problems x 2, GRPO 1 problem x 4 samples.
+    assert result["grpo"]["n"] == 4 and result["budget"]["responses_per_step"] == 4
+    assert (
+        runs["grpo"]["points"][-1]["generated_tokens"] > 0
+        and runs["sft"]["points"][-1]["generated_tokens"] == 0
+    )
+    # Control A's teacher is the initial student on the same prompt: zero gradient, so no movement.
+    assert runs["control_a"]["points"][-1]["accuracy"] == base["accuracy"]
+
+
+def test_a_comparison_resumes_without_rerunning_finished_methods(assets, tmp_path, monkeypatch):
+    out = tmp_path / "cmp"
+    kw = dict(methods=["opsd", "grpo"], seeds=[0], steps=2, eval_every=1, progress=False)
+    first = compare.run_compare(None, _overrides(assets), out, **kw)
+    # "opsd" stops after its checkpoint at step 2 but before its last evaluation was recorded.
+    opsd_dir = out / "seed0" / "opsd"
+    (opsd_dir / "compare_method.json").unlink()
+    log = opsd_dir / "compare_eval.jsonl"
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:-1]))
+
+    built, stepped = [], []
+    real_init, real_step = trainer_mod.Trainer.__init__, trainer_mod.Trainer.step
+
+    def init(self, cfg, **k):
+        built.append((cfg.logging.run_dir, k.get("resume")))
+        real_init(self, cfg, **k)
+
+    def step(self):
+        stepped.append(self.cfg.logging.run_dir)
+        return real_step(self)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "__init__", init)
+    monkeypatch.setattr(trainer_mod.Trainer, "step", step)
+    again = compare.run_compare(None, _overrides(assets), out, **kw)
+    assert built == [(str(opsd_dir), True)]  # grpo is read back; opsd resumes from its checkpoint
+    assert stepped == []  # its checkpoint is at the last step: only the missing evaluation runs
+    assert again["runs"] == first["runs"]
+
+
+def test_tuning_never_reads_a_reported_seeds_heldout_set(assets, tmp_path, monkeypatch):
+    read = []
+    real = trainer_mod.load_examples
+
+    def spy(path, **k):
+        read.append(str(path))
+        return real(path, **k)
+
+    monkeypatch.setattr(trainer_mod, "load_examples", spy)
+    out = tmp_path / "cmp"
+    with pytest.raises(UserError, match="also reported"):
+        compare.run_tune(None, _overrides(assets), out, tune_seeds=[0, 5], reported=[0], steps=2)
+    tune = compare.run_tune(
+        None, _overrides(assets), out, tune_seeds=[5, 6], reported=[0], steps=2, progress=False
+    )
+    assert read and assets["heldout"] not in read
+    assert len(tune["results"]) == len(compare.tune_grid(compare._arm_config(None, _overrides(assets), []),
+                                                          compare.Budget(2, 4, 2)))  # fmt: skip
+    assert tune["chosen"] in [r["setting"] for r in tune["results"]]
+    result = compare.run_compare(
+        None, _overrides(assets), out, methods=["grpo"], seeds=[0], steps=1, eval_every=1, progress=False
+    )
+    assert result["grpo"] == tune["chosen"] and "--tune grpo" in result["grpo_source"]
+
+
+def test_bad_comparisons_are_one_line_errors(assets, tmp_path):
+    no_eval = [o for o in _overrides(assets) if not o.startswith("eval.")]
+    with pytest.raises(UserError, match="eval.path"):
+        compare.run_compare(None, no_eval, tmp_path / "a", methods=["opsd"], seeds=[0], progress=False)
+    with pytest.raises(UserError, match="unknown"):
+        compare.run_compare(None, _overrides(assets), tmp_path / "b", methods=["ppo"], seeds=[0])
+    with pytest.raises(UserError, match="grpo-n"):
+        compare.run_compare(
+            None, _overrides(assets), tmp_path / "c", methods=["grpo"], seeds=[0], grpo_n=3, progress=False
+        )
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x").write_text("mine")
+    with pytest.raises(UserError, match="not an `opsd compare` directory"):
+        compare.run_compare(None, _overrides(assets), tmp_path / "d", methods=["opsd"], seeds=[0])
