@@ -182,10 +182,10 @@ def test_lora_adapters_and_ema_stay_float32_over_a_bf16_base(assets, tmp_path):
 def test_the_loss_runs_without_autocast(assets, tmp_path, monkeypatch):
     """Under one process's bf16 autocast the model forwards compute in bf16 but the loss kernel's
     products stay float32: a bf16 product there would round each logit to 2^-9 relative."""
-    from opsd import trainer as trainer_mod
+    from opsd import objectives as objectives_mod
 
     seen = []
-    real = trainer_mod.fused_linear_distill
+    real = objectives_mod.fused_linear_distill
 
     def spy(*args, **kwargs):
         seen.append(torch.is_autocast_enabled("cpu"))
@@ -197,7 +197,7 @@ def test_the_loss_runs_without_autocast(assets, tmp_path, monkeypatch):
         calls.append((a.dtype, torch.is_autocast_enabled("cpu")))
         return real.__wrapped__(a, b, *rest, **kw)
 
-    monkeypatch.setattr(trainer_mod, "fused_linear_distill", spy)
+    monkeypatch.setattr(objectives_mod, "fused_linear_distill", spy)
     monkeypatch.setattr(real, "__wrapped__", inner_spy, raising=False)
     tr = Trainer(
         make_cfg(

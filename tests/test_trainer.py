@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import build_assets, make_cfg
 
+import opsd.objectives as objectives_mod
 import opsd.trainer as trainer_mod
 from opsd import Trainer, load_config
 from opsd.checkpoint import list_checkpoints
@@ -186,13 +187,13 @@ def test_resume_records_overrides_and_reports_a_finished_run(assets, tmp_path, c
 
 
 def test_nonfinite_steps_are_skipped_then_stop(assets, tmp_path, monkeypatch):
-    real = trainer_mod.fused_linear_distill
+    real = objectives_mod.fused_linear_distill
 
     def poisoned(*a, **k):  # NaN loss on steps 2, 3, 4
         loss, st = real(*a, **k)
         return (loss * float("nan") if tr.step_num + 1 in (2, 3, 4) else loss), st
 
-    monkeypatch.setattr(trainer_mod, "fused_linear_distill", poisoned)
+    monkeypatch.setattr(objectives_mod, "fused_linear_distill", poisoned)
     tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 8, "optim.max_bad_steps": 3}))
     with pytest.warns(UserWarning, match="non-finite"):
         with pytest.raises(trainer_mod.TrainingError, match="3 consecutive steps"):
@@ -201,16 +202,16 @@ def test_nonfinite_steps_are_skipped_then_stop(assets, tmp_path, monkeypatch):
     assert [r["skipped_nonfinite"] for r in recs] == [0, 1, 1, 1]
     # the last good checkpoint is step 1 and it is intact: it loads and resumes
     assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["step_000001"]
-    monkeypatch.setattr(trainer_mod, "fused_linear_distill", real)
+    monkeypatch.setattr(objectives_mod, "fused_linear_distill", real)
     again = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}), resume=True)
     assert again.step_num == 1
     assert again.train()[0]["skipped_nonfinite"] == 0
 
 
 def test_skipped_step_leaves_weights_unchanged(assets, tmp_path, monkeypatch):
-    real = trainer_mod.fused_linear_distill
+    real = objectives_mod.fused_linear_distill
     monkeypatch.setattr(
-        trainer_mod,
+        objectives_mod,
         "fused_linear_distill",
         lambda *a, **k: (lambda r: (r[0] * float("nan"), r[1]))(real(*a, **k)),
     )
@@ -444,7 +445,7 @@ def test_logprob_check_reuses_the_loss_logits_when_the_temperatures_agree(assets
     def refuse(*a, **k):
         raise AssertionError("a second head product for the log-prob check")
 
-    monkeypatch.setattr(trainer_mod, "token_logprobs", refuse)
+    monkeypatch.setattr(objectives_mod, "token_logprobs", refuse)
     (rec,) = Trainer(
         make_cfg(assets, tmp_path / "same", **{"rollout.logprob_check": "true", "optim.max_steps": 1})
     ).train()
