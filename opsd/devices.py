@@ -1,6 +1,8 @@
 """The device, one fact with one resolver: which device a setting names, whether this machine has it,
 and a description of the machine for the records that results carry.
 
+Light on purpose (torch is imported inside the functions): ``opsd.config`` validates with it.
+
 Every config that takes a device (``opsd train``'s ``device``, ``opsd eval``, ``opsd sft``) validates
 with :func:`check_device_setting` and resolves with :func:`resolve_device`; nothing else parses it.
 """
@@ -10,11 +12,12 @@ from __future__ import annotations
 import os
 import platform
 import re
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from opsd.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 DEVICE_SETTINGS = "auto, cpu, cuda or cuda:N"
 _DEVICE_RE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
@@ -32,6 +35,8 @@ def resolve_device(setting: str, *, local_rank: int | None = None) -> torch.devi
 
     ``local_rank``: this process's place on its node under torchrun, which then owns ``cuda:LOCAL_RANK``
     (a ``cuda:N`` setting would pin every rank to one GPU, so it is refused there)."""
+    import torch
+
     if not _DEVICE_RE.fullmatch(setting):
         raise UserError(f"device={setting!r}: expected {DEVICE_SETTINGS}")
     cuda = torch.cuda.is_available()
@@ -85,6 +90,8 @@ def cpu_isa() -> str:
 
 def machine_info() -> dict[str, Any]:
     """What a result needs to say about where it came from."""
+    import torch
+
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
