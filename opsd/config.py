@@ -62,7 +62,7 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm", "vllm_server"] = "hf"  # vllm_server: not built yet (a clear error)
+    engine: Literal["hf", "vllm", "vllm_server"] = "hf"
     prompts_per_step: int = Field(8, ge=1)  # the global batch: under torchrun each rank draws its share
     n: int = Field(1, ge=1)  # responses per prompt
     temperature: float = Field(1.1, ge=0)
@@ -83,13 +83,23 @@ class RolloutConfig(_Section):
     # does it for vLLM. Needs plain sampling (temperature > 0, top_k=0, top_p=1): the engine reports
     # log-probs of the distribution it sampled from, which top-k/top-p renormalise.
     logprob_check: Literal["auto"] | bool = "auto"
+    # vllm_server: `opsd serve` URLs; prompt i goes to server i mod S. The weights reach them through
+    # sync_dir (a directory every server can read); OPSD_VLLM_API_KEY is sent if set.
+    servers: list[str] = []
+    sync_dir: str = "runs/opsd-weights"
+    weight_sync: Literal["disk", "nccl"] = "disk"
+    server_timeout_s: float = Field(600.0, gt=0)
+    # The largest |log-prob| difference a sync's probe accepts between server and trainer (float32 on
+    # both: ~1e-6; use ~0.1 for bf16 servers, whose logits round at 2^-8).
+    sync_tolerance: float = Field(1e-3, gt=0)
 
     def plain_sampling(self) -> bool:
         """Sampling from the tempered softmax itself (no top-k/top-p): the log-probs are comparable."""
         return self.temperature > 0 and self.top_k == 0 and self.top_p == 1.0
 
     def checks_logprobs(self) -> bool:
-        on = self.logprob_check is True or (self.logprob_check == "auto" and self.engine == "vllm")
+        vllm = self.engine in ("vllm", "vllm_server")
+        on = self.logprob_check is True or (self.logprob_check == "auto" and vllm)
         return on and self.plain_sampling()
 
     def prompts_per_rank(self, world_size: int) -> int:
@@ -275,11 +285,11 @@ class Config(_Section):
                 "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
             )
         r = self.rollout
-        if r.engine == "vllm_server":
-            raise ValueError(
-                "rollout.engine=vllm_server (a separate `vllm serve` fleet) is not built yet; use "
-                "rollout.engine=vllm (one colocated engine per trainer rank) or hf"
-            )
+        if r.engine == "vllm_server" and not r.servers:
+            raise ValueError("rollout.engine=vllm_server needs rollout.servers: [http://HOST:PORT, ...]")
+        bad = [s for s in r.servers if not s.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"rollout.servers: {bad[0]!r} is not a URL (http://HOST:PORT)")
         if r.logprob_check is True and not r.plain_sampling():
             raise ValueError(
                 "rollout.logprob_check=true needs rollout.temperature > 0, top_k=0 and top_p=1 (with "

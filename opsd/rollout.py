@@ -33,7 +33,7 @@ from transformers.generation.logits_process import (
 )
 
 from opsd.distributed import rank_world
-from opsd.errors import UserError
+from opsd.errors import TrainingError, UserError
 from opsd.models import merged_weight_names, merged_weights
 from opsd.parallel import gathered
 from opsd.precision import dtype_name
@@ -81,6 +81,11 @@ class Completion:
     # top-p), same length as token_ids; None when the engine does not report them.
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
+
+
+class EngineError(TrainingError):
+    """A rollout engine outside this process failed mid-run (a server down, timing out or answering
+    with an error); the trainer names the last good checkpoint to resume from."""
 
 
 @runtime_checkable
@@ -677,4 +682,17 @@ def make_engine(
             world_size=ranks.world_size if ranks is not None else None,
             device=ranks.device if ranks is not None else None,
         )
-    raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm']")
+    if rollout.engine == "vllm_server":
+        from opsd.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(
+            model,
+            tokenizer,
+            rollout.servers,
+            sync_dir=rollout.sync_dir,
+            timeout_s=rollout.server_timeout_s,
+            api_key=os.environ.get("OPSD_VLLM_API_KEY") or None,
+            sync_tolerance=rollout.sync_tolerance,
+            transport=rollout.weight_sync,
+        )
+    raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm', 'vllm_server']")

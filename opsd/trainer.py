@@ -30,7 +30,7 @@ from opsd.loss import LossStats
 from opsd.objectives import Objective, Scores, make_distillation, make_objective
 from opsd.optim import make_optimizer
 from opsd.parallel import forward_hidden, full_head_weight, parallelize
-from opsd.rollout import Completion, SamplingParams, make_engine
+from opsd.rollout import Completion, EngineError, SamplingParams, make_engine
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
 from opsd.teacher import Teacher
 
@@ -566,6 +566,12 @@ class Trainer:
                     if self.stop.requested:
                         self._say_stopped()
                         break
+        except EngineError as e:  # a rollout server failed: what was saved is intact, say where
+            last = checkpoint.latest_checkpoint(self.run_dir) or "none yet"
+            raise TrainingError(
+                f"{e}. Last good checkpoint: {last}; once the engine is back: "
+                f"opsd train --resume {self.run_dir}"
+            ) from None
         finally:
             bar.close()
             if self.metrics is not None:

@@ -370,11 +370,15 @@ def test_logprob_check_measures_the_rollout_trainer_gap(assets, tmp_path):
     assert "logprob_gap" not in rec
 
 
-def test_logprob_check_refuses_top_k_and_vllm_server_is_a_clear_error(assets, tmp_path):
+def test_logprob_check_refuses_top_k_and_vllm_server_needs_urls(assets, tmp_path):
     with pytest.raises(UserError, match="logprob_check=true needs"):
         make_cfg(assets, tmp_path / "r", **{"rollout.logprob_check": "true", "rollout.top_k": 5})
-    with pytest.raises(UserError, match="vllm_server.*not built yet"):
+    with pytest.raises(UserError, match="vllm_server needs rollout.servers"):
         make_cfg(assets, tmp_path / "r", **{"rollout.engine": "vllm_server"})
+    with pytest.raises(UserError, match="is not a URL"):
+        make_cfg(
+            assets, tmp_path / "r", **{"rollout.engine": "vllm_server", "rollout.servers": "[localhost:8000]"}
+        )
 
 
 def test_cli_closes_the_engine_before_the_process_group(assets, tmp_path, monkeypatch):

@@ -1,0 +1,331 @@
+"""Rollouts from a fleet of `vllm serve` processes (``rollout.engine: vllm_server``), and `opsd serve`.
+
+The trainer talks to each server over HTTP, token ids in and out: prompt ``i`` goes to server
+``i mod S`` as one ``/v1/completions`` request for its ``n`` samples, with a per-request seed derived
+from the step's seed, so a resumed run samples what it would have. With ``--logprobs-mode
+processed_logprobs`` (which `opsd serve` sets) the reported log-probs are those of the distribution
+sampled from, after temperature: the trainer's ``logprob_gap`` check works as for the colocated engine.
+
+Weight sync after every optimizer step, ``disk`` transport (the one built): every rank joins the
+gather of the full tensors, rank 0 writes the merged weights (LoRA folded in out of place, one
+tensor at a time) as safetensors into ``rollout.sync_dir/.step-N.tmp``, renames it to ``step-N``
+(atomic: a server never reads a half-written directory), and for each server calls ``/pause`` ->
+``/collective_rpc reload_weights(weights_path=...)`` -> ``/reset_prefix_cache`` -> ``/resume``.
+Those are vLLM's dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``). Then a probe: the server samples a
+few tokens after a fixed prompt and the trainer scores them; their log-probs must agree within
+``rollout.sync_tolerance``, or the run stops with one line (the server did not take the weights).
+Every rank waits for the sync before its next rollout. docs/vllm.md says what was read in vLLM's
+source and what each endpoint does and does not guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from opsd.distributed import rank_world, run_setup
+from opsd.errors import UserError
+from opsd.rollout import Completion, EngineError, SamplingParams, _check_prompts, _stop_ids
+
+PROBE_TOKENS = 8
+
+
+class ServerError(EngineError):
+    """A rollout server was unreachable, timed out or answered with an error, mid-run: the trainer
+    adds the last good checkpoint to the message; `opsd train --resume` continues once it is back."""
+
+
+class VLLMServerEngine:
+    """The RolloutEngine contract over HTTP to ``servers`` (base URLs such as http://127.0.0.1:8000)."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        servers: list[str],
+        *,
+        sync_dir: str,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        sync_tolerance: float = 1e-3,
+        transport: str = "disk",
+    ) -> None:
+        if transport != "disk":
+            raise UserError(
+                f"rollout.weight_sync={transport!r}: only 'disk' is built; vLLM's NCCL weight transfer "
+                "needs CUDA and NCCL on both sides and is not wired into opsd yet (docs/vllm.md)"
+            )
+        if not servers:
+            raise UserError("rollout.engine=vllm_server needs rollout.servers: [http://HOST:PORT, ...]")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.servers = [s.rstrip("/") for s in servers]
+        self.sync_dir = Path(sync_dir)
+        self.timeout_s = timeout_s
+        self.api_key = api_key
+        self.sync_tolerance = sync_tolerance
+        self.rank, self.world = rank_world()
+        self.syncs = 0
+        self.last_probe_gap: float | None = None
+        # Down at start is a user error (one line naming the server); the model each serves is asked once.
+        self.model_names = [self._model_name(s) for s in self.servers]
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
+        if self.rank == 0:
+            self.sync_dir.mkdir(parents=True, exist_ok=True)
+        # The servers must start on the trainer's weights (a resume syncs the checkpoint's anyway).
+        try:
+            self._probe(model)
+        except ServerError:
+            self.sync_weights(model)
+
+    # -- HTTP ----------------------------------------------------------------------------------
+
+    def _post(self, server: str, path: str, body: dict | None = None, timeout: float | None = None) -> Any:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(server + path, data=data, method="POST")
+        req.add_header("Content-Type", "application/json")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        return self._send(req, server, path, timeout)
+
+    def _get(self, server: str, path: str) -> Any:
+        req = urllib.request.Request(server + path, method="GET")
+        if self.api_key:
+            req.add_header("Authorization", f"Bearer {self.api_key}")
+        return self._send(req, server, path, None)
+
+    def _send(self, req: urllib.request.Request, server: str, path: str, timeout: float | None) -> Any:
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:300].replace("\n", " ")
+            raise ServerError(
+                f"rollout server {server} answered {path} with HTTP {e.code}: {detail}"
+            ) from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ServerError(f"rollout server {server} did not answer {path}: {reason}") from None
+        return json.loads(raw) if raw.strip() else None
+
+    def _model_name(self, server: str) -> str:
+        try:
+            listing = self._get(server, "/v1/models")
+        except ServerError as e:
+            raise UserError(f"{e}; start it with `opsd serve MODEL` or fix rollout.servers") from None
+        return listing["data"][0]["id"]
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        """``len(prompts) * n`` completions, prompt-major; prompt ``i`` to server ``i mod S``."""
+        params.validate()
+        _check_prompts(prompts, n, self.vocab_size)
+        stop_ids = _stop_ids(self.tokenizer, self.model, list(params.stop_token_ids))
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+
+        def one(i: int) -> list[Completion]:
+            s = (self.rank * len(prompts) + i) % len(self.servers)
+            body = {
+                "model": self.model_names[s],
+                "prompt": list(prompts[i]),
+                "n": n,
+                "max_tokens": params.max_new_tokens,
+                "min_tokens": params.min_new_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": params.top_k if params.top_k > 0 else -1,
+                "seed": (seed + 7919 * i) % 2**63,
+                "stop": list(params.stop_strings),
+                "stop_token_ids": stop_ids,
+                "include_stop_str_in_output": True,
+                "logprobs": 0,
+                "return_token_ids": True,
+                "skip_special_tokens": False,
+            }
+            out = self._post(self.servers[s], "/v1/completions", body)
+            return [self._completion(i, c, self.servers[s]) for c in sorted(out["choices"], key=_index)]
+
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompts)))) as pool:
+            groups = list(pool.map(one, range(len(prompts))))
+        return [c for g in groups for c in g]
+
+    @staticmethod
+    def _completion(i: int, choice: dict, server: str) -> Completion:
+        toks = list(choice.get("token_ids") or [])
+        lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+        reason = choice.get("finish_reason")
+        if len(lps) != len(toks) or reason not in ("stop", "length"):
+            raise ServerError(
+                f"rollout server {server} returned {len(lps)} log-probs for {len(toks)} tokens, "
+                f"finish_reason {reason!r} (prompt {i}); is it `opsd serve` (vLLM 0.32, token ids on)?"
+            )
+        return Completion(i, toks, [float(x) for x in lps], reason)
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def sync_weights(self, model) -> None:
+        """Collective: the merged weights to disk (rank 0 writes), every server reloads them, a probe
+        checks that they did; every rank returns only when all of that is done."""
+        from opsd.checkpoint import write_merged
+
+        self.model = model
+        self.syncs += 1
+        final = self.sync_dir / f"step-{self.syncs:06d}"
+        tmp = self.sync_dir / f".step-{self.syncs:06d}.tmp"
+        if self.rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)
+        write_merged(model, self.tokenizer, tmp)  # collective: every rank gathers, rank 0 writes
+        run_setup(lambda: self._reload(tmp, final), "rollout weight sync")
+        self._probe(model)
+
+    def _reload(self, tmp: Path, final: Path) -> None:
+        if self.rank != 0:
+            return
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for server in self.servers:
+            self._post(server, "/pause?mode=wait")
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(final.resolve())}}
+            self._post(server, "/collective_rpc", rpc)
+            self._post(server, "/reset_prefix_cache")
+            self._post(server, "/resume")
+        for old in self.sync_dir.glob("step-*"):  # the servers read the newest; older ones can go
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _probe(self, model) -> None:
+        """Each server samples PROBE_TOKENS after a fixed prompt; the trainer's log-probs of those
+        tokens must match the server's (float32 on both sides: ~1e-6; a server still on the old
+        weights: the size of one update's change, orders above the tolerance)."""
+        from opsd.loss import token_logprobs
+        from opsd.parallel import forward_hidden, full_head_weight
+
+        prompt = self.tokenizer("The weights were synchronised.", add_special_tokens=False).input_ids
+        # Plain sampling at T=1 (no top-k/top-p, no masked stop tokens): the log-probs are comparable.
+        params = SamplingParams(temperature=1.0, max_new_tokens=PROBE_TOKENS, seed=1234)
+        probes: list[Any] = [None]
+        if self.rank == 0:
+            probes = [[(s, self._probe_one(s, prompt, params)) for s in range(len(self.servers))]]
+        if self.world > 1:
+            dist.broadcast_object_list(probes, src=0)
+        device = next(model.parameters()).device
+        training = model.training
+        model.eval()  # no dropout: the server has none
+        gaps = []
+        for s, (toks, lps) in probes[0]:
+            if not toks:  # a stop token first: nothing to compare on this server
+                continue
+            ids = torch.tensor([prompt + toks], device=device)
+            mask = torch.ones_like(ids)
+            pos = torch.arange(len(prompt) - 1, len(prompt) + len(toks) - 1, device=device)
+            with torch.no_grad():
+                hidden = forward_hidden(model, ids, mask, pos)
+                mine = token_logprobs(hidden, full_head_weight(model), torch.tensor(toks, device=device))
+            gaps.append((s, float((mine.cpu().double() - torch.tensor(lps).double()).abs().max())))
+        model.train(training)
+        worst = max(gaps, key=lambda g: g[1], default=(0, 0.0))
+        self.last_probe_gap = worst[1]
+        if worst[1] > self.sync_tolerance:
+            raise ServerError(
+                f"rollout server {self.servers[worst[0]]} did not take the new weights: after sync "
+                f"{self.syncs} its log-probs differ from the trainer's by {worst[1]:.2e} "
+                f"(rollout.sync_tolerance={self.sync_tolerance:g})"
+            )
+
+    def _probe_one(self, s: int, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[float]]:
+        saved = self.servers, self.model_names, self.rank
+        try:
+            self.servers, self.model_names, self.rank = [saved[0][s]], [saved[1][s]], 0
+            (c,) = self.generate([prompt], 1, params)
+        finally:
+            self.servers, self.model_names, self.rank = saved
+        return c.token_ids, c.logprobs
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _index(choice: dict) -> int:
+    return int(choice.get("index", 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# `opsd serve`
+
+
+def serve_command(args: argparse.Namespace) -> list[str]:
+    """The `vllm serve` command line opsd needs, and nothing it does not."""
+    cmd = [
+        args.python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(args.model),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--dtype",
+        args.dtype,
+        # The log-probs of the distribution sampled from (after temperature), as the trainer computes.
+        "--logprobs-mode",
+        "processed_logprobs",
+    ]
+    if not torch.cuda.is_available():
+        cmd.append("--enforce-eager")  # on CPU a compiled graph may keep stale prepacked weights
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    return cmd + list(args.vllm_args)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Start a vLLM server for rollout.engine=vllm_server: dev-mode endpoints on (weight reload), "
+        "processed log-probs, 127.0.0.1 unless --host says otherwise. Extra vLLM flags after --."
+    )
+    p.add_argument("model", help="the model directory (the same the trainer starts from)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (the dev endpoints are unauthenticated)")
+    p.add_argument("--dtype", default="float32", help="vLLM's dtype: float32 (default), bfloat16, float16")
+    p.add_argument("--api-key", help="guards /v1/* only; /collective_rpc, /pause, /resume stay open")
+    p.add_argument("--python", default=sys.executable, help="the Python whose environment has vLLM")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then more `vllm serve` flags")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    if not Path(args.model).is_dir():
+        raise UserError(f"{args.model}: no such model directory")
+    if args.vllm_args and args.vllm_args[0] == "--":
+        args.vllm_args = args.vllm_args[1:]
+    cmd = serve_command(args)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    print(f"rollout.servers: [http://{host}:{args.port}]   (put this in the config)", file=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"warning: --host {args.host} exposes /collective_rpc, which runs worker methods without "
+            "authentication; keep the port behind a firewall",
+            file=sys.stderr,
+        )
+    return subprocess.call(cmd, env=env)

@@ -1,0 +1,198 @@
+"""rollout.engine=vllm_server against a fake server that speaks the same HTTP as `vllm serve` (the
+endpoints opsd calls, with vLLM 0.32's request and response fields) and generates with the HF
+engine on its own copy of the model, reloading it from the synced directory as vLLM's
+``reload_weights(weights_path=...)`` does. No vLLM needed; tests/test_vllm.py runs the real one."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import build_assets, make_cfg
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from opsd import Trainer
+from opsd.errors import TrainingError, UserError
+from opsd.rollout import HFEngine, SamplingParams
+
+
+class FakeServer:
+    """One `vllm serve` stand-in on 127.0.0.1; ``calls`` records every request path in order."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.engine = HFEngine(self.model, self.tok)
+        self.calls: list[str] = []
+        self.fail_next: str | None = None  # a path that answers HTTP 500 once
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def _reply(self, code: int, body: dict) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:
+                server.calls.append(self.path)
+                self._reply(200, {"data": [{"id": "tiny"}]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                path = self.path.split("?")[0]
+                server.calls.append(path)
+                if server.fail_next == path:
+                    server.fail_next = None
+                    return self._reply(500, {"error": "engine dead"})
+                self._reply(200, server.answer(path, body))
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def answer(self, path: str, body: dict) -> dict:
+        if path == "/v1/completions":
+            params = SamplingParams(
+                temperature=body["temperature"],
+                top_p=body["top_p"],
+                top_k=max(0, body["top_k"]),
+                max_new_tokens=body["max_tokens"],
+                min_new_tokens=body["min_tokens"],
+                stop_strings=body["stop"],
+                seed=body["seed"],
+            )
+            comps = self.engine.generate([body["prompt"]], body["n"], params)
+            choices = [
+                {
+                    "index": j,
+                    "token_ids": c.token_ids,
+                    "logprobs": {"token_logprobs": c.logprobs},
+                    "finish_reason": c.finish_reason,
+                }
+                for j, c in enumerate(comps)
+            ]
+            return {"choices": choices}
+        if path == "/collective_rpc":
+            assert body["method"] == "reload_weights"
+            weights = {}
+            for f in Path(body["kwargs"]["weights_path"]).glob("*.safetensors"):
+                weights |= load_file(str(f))
+            missing, unexpected = self.model.load_state_dict(weights, strict=False)
+            assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+            return {"results": [None]}
+        return {}
+
+    def close(self) -> None:
+        self.http.shutdown()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    return build_assets(tmp_path_factory.mktemp("server"))
+
+
+@pytest.fixture
+def server(assets):
+    s = FakeServer(assets["model"])
+    yield s
+    s.close()
+
+
+def _cfg(assets, tmp_path, servers: list[str], **over):
+    return make_cfg(
+        assets,
+        tmp_path / "run",
+        **{
+            "rollout.engine": "vllm_server",
+            "rollout.servers": json.dumps(servers),
+            "rollout.sync_dir": str(tmp_path / "weights"),
+            "rollout.server_timeout_s": 30,
+            **over,
+        },
+    )
+
+
+def test_training_through_a_server_syncs_weights_after_every_step(assets, tmp_path, server):
+    """Three steps: each rollout's log-probs agree with the trainer's (the logprob_gap check, on by
+    default for a server; both sides float32 on the same CPU, so the gap is float32 rounding of the
+    same forward: below 1e-4), each step ends with pause -> reload -> reset cache -> resume and a
+    probe, and only the newest weights directory is kept."""
+    tr = Trainer(_cfg(assets, tmp_path, [server.url], **{"optim.max_steps": 3}))
+    server.calls.clear()
+    history = tr.train()
+    assert all(rec["logprob_gap"] < 1e-4 for rec in history)
+    syncs = [i for i, c in enumerate(server.calls) if c == "/collective_rpc"]
+    assert len(syncs) == 3
+    for i in syncs:
+        assert server.calls[i - 1 : i + 3] == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["step-000003"]
+    assert tr.engine.last_probe_gap < 1e-4
+
+
+def test_two_servers_share_the_prompts(assets, tmp_path, server):
+    other = FakeServer(assets["model"])
+    try:
+        tr = Trainer(_cfg(assets, tmp_path, [server.url, other.url], **{"optim.max_steps": 1}))
+        server.calls.clear()
+        other.calls.clear()
+        tr.train()
+        for s in (server, other):
+            assert s.calls.count("/v1/completions") >= 1  # a rollout request (and the probe) each
+            assert s.calls.count("/collective_rpc") == 1
+    finally:
+        other.close()
+
+
+def test_a_server_down_at_start_is_one_line(assets, tmp_path):
+    with pytest.raises(UserError, match="did not answer /v1/models"):
+        Trainer(_cfg(assets, tmp_path, ["http://127.0.0.1:9"]))
+
+
+def test_a_server_failing_mid_run_names_it_and_the_last_checkpoint(assets, tmp_path, server):
+    tr = Trainer(_cfg(assets, tmp_path, [server.url], **{"optim.max_steps": 3}))
+    tr.train(until_step=1)  # checkpoint.every=1: step 1 is saved
+    server.fail_next = "/v1/completions"
+    with pytest.raises(TrainingError, match=rf"{server.url}.*HTTP 500.*step_000001.*--resume"):
+        tr.train()
+    # The server is back: --resume continues from the checkpoint and loses nothing.
+    again = Trainer(_cfg(assets, tmp_path, [server.url], **{"optim.max_steps": 3}), resume=True)
+    assert again.step_num == 1
+    assert [rec["step"] for rec in again.train()] == [2, 3]
+
+
+def test_a_server_that_keeps_old_weights_stops_the_run(assets, tmp_path, server):
+    """If the reload does nothing, the probe sees the old weights and the run stops with one line."""
+    tr = Trainer(_cfg(assets, tmp_path, [server.url], **{"optim.max_steps": 1}))
+    server.answer_rpc = server.answer
+    server.answer = lambda path, body: {} if path == "/collective_rpc" else server.answer_rpc(path, body)
+    with pytest.raises(TrainingError, match="did not take the new weights"):
+        tr.train()
+
+
+def test_nccl_is_refused_where_it_cannot_work(assets, tmp_path, server):
+    with pytest.raises(UserError, match="only 'disk' is built"):
+        Trainer(_cfg(assets, tmp_path, [server.url], **{"rollout.weight_sync": "nccl"}))
+
+
+def test_serve_command_has_the_flags_opsd_needs(tmp_path):
+    import argparse
+
+    from opsd.vllm_server import add_serve_arguments, serve_command
+
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    cmd = serve_command(p.parse_args([str(tmp_path), "--port", "8123"]))
+    joined = " ".join(cmd)
+    assert "--host 127.0.0.1" in joined and "--port 8123" in joined
+    assert "--logprobs-mode processed_logprobs" in joined and "--enforce-eager" in joined
