@@ -1,0 +1,156 @@
+"""rollout.engine=vllm_server against real `vllm serve` processes (the CPU build), started by `opsd
+serve` on localhost: executed with `.venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_serve.py`
+(scripts/vllm_cpu_env.sh); skipped where vLLM is not installed. Float32 on both sides.
+
+Bounds: the rollout's log-probs and the trainer's come from the same float32 weights through
+different kernels; logits |z| < ~1 from 128-term products differ by at most 128 u32 = 8e-6, and the
+log-softmax over V=512 adds a few ulps of |lp| <= 7.5, so 1e-3 (the issue's bound) is ~100x that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/vllm_cpu_env.sh)")
+
+from helpers import make_cfg  # noqa: E402
+
+from opsd import Trainer  # noqa: E402
+from opsd.errors import TrainingError  # noqa: E402
+from opsd.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+HIDDEN = 128  # vLLM's CPU attention needs head_dim >= 32
+BOUND = 1e-3
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """`opsd serve MODEL` in a subprocess, up when /v1/models answers."""
+
+    def __init__(self, model_dir, log_path) -> None:
+        self.port = _port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log_path, "w")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "opsd", "serve", str(model_dir), "--port", str(self.port), "--"]
+        cmd += ["--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512"]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"opsd serve exited with {self.proc.returncode}; see {log_path}")
+            try:
+                urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
+                return
+            except OSError:
+                time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"opsd serve did not come up in 300 s; see {log_path}")
+
+    def greedy(self, prompt: list[int], tokens: int = 12) -> list[int]:
+        body = {"model": json.loads(urllib.request.urlopen(self.url + "/v1/models").read())["data"][0]["id"]}
+        body |= {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "return_token_ids": True}
+        req = urllib.request.Request(
+            self.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        return json.loads(urllib.request.urlopen(req).read())["choices"][0]["token_ids"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    tok = build_tiny_tokenizer()
+    build_tiny_model(tok, hidden_size=HIDDEN, seed=0).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    rows = [{"problem": f"What is {a} + {b}?", "solution": f"{a + b}.", "answer": str(a + b)} for a, b in
+            [(1, 2), (3, 4), (5, 6), (7, 8)]]  # fmt: skip
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "root": root, "tok": tok}
+
+
+@pytest.fixture(scope="module")
+def server(assets):
+    s = Served(assets["model"], assets["root"] / "server.log")
+    yield s
+    s.stop()
+
+
+def _cfg(assets, tmp_path, servers, **over):
+    return make_cfg(
+        assets,
+        tmp_path / "run",
+        **{
+            "rollout.engine": "vllm_server",
+            "rollout.servers": json.dumps(servers),
+            "rollout.sync_dir": str(tmp_path / "weights"),
+            "rollout.max_new_tokens": 8,
+            "optim.max_steps": 3,
+            "checkpoint.enabled": "false",
+            **over,
+        },
+    )
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_three_steps_through_a_real_server(assets, tmp_path, server, lora):
+    tr = Trainer(_cfg(assets, tmp_path, [server.url], **{"model.lora.enabled": lora}))
+    history = tr.train()
+    tr.close()
+    assert [rec["step"] for rec in history] == [1, 2, 3]
+    assert all(rec["logprob_gap"] < BOUND for rec in history), [rec["logprob_gap"] for rec in history]
+    assert tr.engine is None or True  # closed
+    assert max(tr_gap for tr_gap in [history[-1]["logprob_gap"]]) < BOUND
+
+
+def test_a_sync_makes_the_server_answer_like_a_fresh_one_on_the_new_weights(assets, tmp_path, server):
+    """After training, the synced server's greedy outputs equal those of a server started from the
+    synced weights directory, and differ from the base model's (the weights moved)."""
+    prompt = assets["tok"]("What is 3 + 4?").input_ids
+    before = server.greedy(prompt)
+    tr = Trainer(_cfg(assets, tmp_path, [server.url], **{"optim.lr": 0.2, "model.lora.enabled": "false"}))
+    tr.train()
+    synced = next((tmp_path / "weights").glob("step-*"))
+    after = server.greedy(prompt)
+    fresh = Served(synced, tmp_path / "fresh.log")
+    try:
+        assert fresh.greedy(prompt) == after
+        assert after != before
+        # Two servers at once: the prompts split between them, both synced after each step.
+        two = Trainer(_cfg(assets, tmp_path / "two", [server.url, fresh.url], **{"optim.max_steps": 1}))
+        (rec,) = two.train()
+        assert rec["logprob_gap"] < BOUND
+        two.close()
+        # A server that dies mid-run: one line naming it.
+        three = Trainer(_cfg(assets, tmp_path / "three", [server.url, fresh.url]))
+        three.train(until_step=1)
+        fresh.stop()
+        with pytest.raises(TrainingError, match=rf"{fresh.url}.*did not answer"):
+            three.train()
+        three.close()
+    finally:
+        fresh.stop()
+    tr.close()
