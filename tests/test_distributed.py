@@ -504,7 +504,8 @@ def _tp_group_worker(d: D.Dist, tmp: str) -> None:
     import torch.distributed as dist
 
     from opsd.config import RolloutConfig
-    from opsd.rollout import SamplingParams, make_engine
+    from opsd.engines import make_engine
+    from opsd.rollout import SamplingParams
 
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, hidden_size=32, num_layers=2)

@@ -87,7 +87,7 @@ def test_the_step_reads_like_a_loop():
 
 MODEL_CODE = {"opsd.models", "opsd.teacher", "opsd.parallel", "opsd.rollout", "opsd.trainer"}
 LIGHT = ["opsd.config", "opsd.loss.spec", "opsd.data.sources", "opsd.data.prompts", "opsd.devices"]
-COMMANDS = ("opsd.cli", "opsd.eval", "opsd.sft", "opsd.demo")
+COMMANDS = ("opsd.cli", "opsd.eval", "opsd.sft", "opsd.demo", "opsd.compare")
 
 
 def _in(module: str, package: str) -> bool:

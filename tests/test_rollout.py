@@ -13,6 +13,7 @@ import torch.distributed as dist
 from helpers import vllm_engine
 
 from opsd.config import RolloutConfig
+from opsd.engines import make_engine
 from opsd.errors import UserError
 from opsd.rollout import (
     Completion,
@@ -20,7 +21,6 @@ from opsd.rollout import (
     RolloutEngine,
     SamplingParams,
     check_weight_coverage,
-    make_engine,
 )
 
 PROMPTS = ["What is 3 + 4?", "1", "Compute 12 * 7 and explain step by step.", "a b"]

@@ -144,7 +144,7 @@ def evaluate(
     dtype = dtype_name(resolve_precision(dtype or "auto", dev, full_finetune=False).compute)
 
     from opsd.config import RolloutConfig
-    from opsd.rollout import make_engine
+    from opsd.engines import make_engine
 
     results: dict[str, EvalResult] = {}
     for name, label, tok in zip(models, _labels(models), tokenizers, strict=True):

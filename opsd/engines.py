@@ -1,0 +1,75 @@
+"""``rollout.engine`` -> an engine: the one place that chooses among opsd/rollout.py's engines and
+opsd/vllm_server.py's (a new engine is a class there and a branch here)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from opsd.errors import UserError
+from opsd.precision import dtype_name
+from opsd.rollout import HFEngine, RolloutEngine, VLLMEngine
+from opsd.vllm_server import VLLMServerEngine
+
+if TYPE_CHECKING:
+    from opsd.config import RolloutConfig
+    from opsd.distributed import Dist
+
+
+def make_engine(
+    rollout: RolloutConfig,
+    model,
+    tokenizer,
+    *,
+    seed: int,
+    max_prompt_len: int | None = None,
+    model_path: str | None = None,
+    compute_dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None,
+    ranks: Dist | None = None,
+) -> RolloutEngine:
+    """The engine the rollout config asks for, on `model` (the trainer's live model object).
+
+    `max_prompt_len` sizes vLLM's context when rollout.max_model_len is unset; `model_path` is the
+    directory vLLM loads the architecture from (default: where `model` was loaded from).
+    `compute_dtype` is vLLM's dtype when rollout.vllm_dtype is auto (the trainer's compute dtype, not
+    the float32 of master weights); `autocast_dtype` makes the HF engine generate under autocast.
+    `ranks`: this process's place among the trainer's ranks (one engine per rank under torchrun).
+    """
+    if rollout.engine == "hf":
+        return HFEngine(model, tokenizer, batch_size=rollout.batch_size, autocast_dtype=autocast_dtype)
+    if rollout.engine == "vllm":
+        max_len = rollout.max_model_len
+        if max_len is None and max_prompt_len is not None:
+            max_len = max_prompt_len + rollout.max_new_tokens
+        return VLLMEngine(
+            model,
+            tokenizer,
+            seed=seed,
+            model_path=model_path,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            dtype=dtype_name(compute_dtype)
+            if rollout.vllm_dtype == "auto" and compute_dtype
+            else rollout.vllm_dtype,
+            max_model_len=max_len,
+            max_num_seqs=rollout.batch_size,
+            sleep_level=rollout.vllm_sleep_level,
+            llm_kwargs=rollout.vllm_kwargs,
+            world_size=ranks.world_size if ranks is not None else None,
+            device=ranks.device if ranks is not None else None,
+        )
+    if rollout.engine == "vllm_server":
+        return VLLMServerEngine(
+            model,
+            tokenizer,
+            rollout.servers,
+            sync_dir=rollout.sync_dir,
+            timeout_s=rollout.server_timeout_s,
+            api_key=os.environ.get("OPSD_VLLM_API_KEY") or None,
+            sync_tolerance=rollout.sync_tolerance,
+            transport=rollout.weight_sync,
+        )
+    raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm', 'vllm_server']")
