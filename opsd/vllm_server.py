@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -296,13 +297,13 @@ def serve_command(args: argparse.Namespace) -> list[str]:
         cmd.append("--enforce-eager")  # on CPU a compiled graph may keep stale prepacked weights
     if args.api_key:
         cmd += ["--api-key", args.api_key]
-    return cmd + list(args.vllm_args)
+    return cmd + shlex.split(args.vllm_args or "")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Start a vLLM server for rollout.engine=vllm_server: dev-mode endpoints on (weight reload), "
-        "processed log-probs, 127.0.0.1 unless --host says otherwise. Extra vLLM flags after --."
+        "processed log-probs, 127.0.0.1 unless --host says otherwise."
     )
     p.add_argument("model", help="the model directory (the same the trainer starts from)")
     p.add_argument("--port", type=int, default=8000)
@@ -310,14 +311,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="vLLM's dtype: float32 (default), bfloat16, float16")
     p.add_argument("--api-key", help="guards /v1/* only; /collective_rpc, /pause, /resume stay open")
     p.add_argument("--python", default=sys.executable, help="the Python whose environment has vLLM")
-    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then more `vllm serve` flags")
+    p.add_argument(
+        "--vllm-args", help='more `vllm serve` flags, as one string: --vllm-args="--max-model-len 4096"'
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise UserError(f"{args.model}: no such model directory")
-    if args.vllm_args and args.vllm_args[0] == "--":
-        args.vllm_args = args.vllm_args[1:]
     cmd = serve_command(args)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

@@ -192,7 +192,8 @@ def test_serve_command_has_the_flags_opsd_needs(tmp_path):
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
-    cmd = serve_command(p.parse_args([str(tmp_path), "--port", "8123"]))
+    cmd = serve_command(p.parse_args([str(tmp_path), "--port", "8123", "--vllm-args=--max-model-len 64"]))
     joined = " ".join(cmd)
     assert "--host 127.0.0.1" in joined and "--port 8123" in joined
     assert "--logprobs-mode processed_logprobs" in joined and "--enforce-eager" in joined
+    assert cmd[-2:] == ["--max-model-len", "64"]
