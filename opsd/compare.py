@@ -22,7 +22,8 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from opsd.errors import UserError
@@ -301,7 +302,7 @@ def run_sft_method(
 
 def run_compare(
     config: Path | None,
-    overrides: list[str],
+    overrides: list[str] | Callable[[int], list[str]],
     out: Path,
     *,
     methods: list[str],
@@ -309,12 +310,18 @@ def run_compare(
     steps: int | None = None,
     eval_every: int | None = None,
     grpo_n: int = 8,
+    grpo_lr: float | None = None,
     sft_lr: float | None = None,
     distill_coef: float | None = None,
     progress: bool = True,
 ) -> dict:
-    """Every method on every seed into ``out``; writes compare.json, compare.md and compare.png."""
-    cfg = _arm_config(config, overrides, [])
+    """Every method on every seed into ``out``; writes compare.json, compare.md and compare.png.
+
+    ``overrides``: dotted overrides on ``config``, or a function of the seed giving them (the demo's
+    data and base model differ per seed). ``grpo_lr``: GRPO's learning rate when not tuned (default
+    the config's)."""
+    per_seed = overrides if callable(overrides) else (lambda seed: overrides)
+    cfg = _arm_config(config, per_seed(seeds[0]), [])
     if not cfg.eval.path:
         raise UserError(
             "opsd compare needs eval.path: a held-out file with answers, the same for every method"
@@ -325,14 +332,17 @@ def run_compare(
     steps = steps or cfg.optim.max_steps
     budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, eval_every or max(1, steps // 4))
     out = Path(out)
-    _claim(out)
+    claim_dir(out)
     tuned = out / TUNE_FILE
     if tuned.is_file():
-        grpo = GRPOSettings(**json.loads(tuned.read_text())["chosen"])
+        tune = json.loads(tuned.read_text())
+        grpo = GRPOSettings(**tune["chosen"])
         check_group_size(grpo.n, budget)
-        grpo_source = f"chosen by `opsd compare --tune grpo` ({tuned})"
+        verdict = "" if tune["improves_on_first_step"] else "; no setting raised its training reward"
+        grpo_source = f"chosen by `opsd compare --tune grpo` on seeds {tune['seeds']} ({tuned}){verdict}"
     else:
         grpo = default_grpo(cfg, budget, min(grpo_n, budget.responses_per_step))
+        grpo = replace(grpo, lr=grpo_lr or grpo.lr)
         grpo_source = "from the config (run `opsd compare --tune grpo` to choose them)"
     coef = distill_coef if distill_coef is not None else (cfg.grpo.distill_coef or 1.0)
     sft_lr = sft_lr or cfg.optim.lr
@@ -344,6 +354,7 @@ def run_compare(
     runs: list[MethodRun] = []
     for seed in seeds:
         base = None
+        overrides = per_seed(seed)
         for method in methods:
             run_dir = out / f"seed{seed}" / method
             done = run_dir / "compare_method.json"
@@ -377,7 +388,7 @@ def run_compare(
     return result
 
 
-def _claim(out: Path) -> None:
+def claim_dir(out: Path) -> None:
     """Only an `opsd compare` directory (or an empty one) is written into; the marker goes in first."""
     if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise UserError(f"{out} exists and is not an `opsd compare` directory; pass another --out")
@@ -390,41 +401,53 @@ def _claim(out: Path) -> None:
 # Choosing GRPO's settings on seeds that are not reported
 
 
-def tune_grid(cfg, budget: Budget) -> list[GRPOSettings]:
-    """At most 8 settings: the config's learning rate times 1/3, 1, 3 and 10, with 4 and 8 samples per
-    problem where they divide the responses per step; the config's temperature and std scaling."""
+def tune_grid(cfg, budget: Budget, lr: float | None = None) -> list[GRPOSettings]:
+    """At most 8 settings: a learning rate (``lr``, default the config's) times 1/3, 1, 3 and 10, with
+    4 and 8 samples per problem where they divide the responses per step; the config's temperature and
+    std scaling."""
     ns = [n for n in (4, 8) if n <= budget.responses_per_step and budget.responses_per_step % n == 0]
     ns = ns or [budget.responses_per_step]
-    lrs = [cfg.optim.lr * f for f in (1 / 3, 1, 3, 10)]
+    lrs = [(lr or cfg.optim.lr) * f for f in (1 / 3, 1, 3, 10)]
     t, scale = cfg.rollout.temperature, cfg.grpo.scale_rewards
     return [GRPOSettings(lr, t, n, scale) for n in ns for lr in lrs][:8]
 
 
 def run_tune(
     config: Path | None,
-    overrides: list[str],
+    overrides: list[str] | Callable[[int], list[str]],
     out: Path,
     *,
     tune_seeds: list[int],
     reported: list[int],
     steps: int,
+    lr: float | None = None,
     progress: bool = True,
 ) -> dict:
-    """Train GRPO at each setting of :func:`tune_grid` for ``steps`` on each tuning seed, without any
-    held-out evaluation, and choose the setting with the highest mean training reward over the last
-    half of the steps. Writes ``OUT/tune/grpo.json``, which `opsd compare` then uses."""
+    """Train GRPO at each setting of :func:`tune_grid` (around ``lr``) for ``steps`` on each tuning
+    seed, without any held-out evaluation, and choose the setting with the highest mean training
+    reward over the last half of the steps. Writes ``OUT/tune/grpo.json``, which `opsd compare` then
+    uses; a setting already tried (``OUT/tune/tried.jsonl``) is not trained again."""
     from opsd.trainer import Trainer
 
     clash = sorted(set(tune_seeds) & set(reported))
     if clash:
         raise UserError(f"--tune-seeds {clash} are also reported (--seeds): tune on seeds that are not")
-    cfg = _arm_config(config, overrides, [])
+    per_seed = overrides if callable(overrides) else (lambda seed: overrides)
+    cfg = _arm_config(config, per_seed(tune_seeds[0]), [])
     budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, steps)
     out = Path(out)
-    _claim(out)
+    claim_dir(out)
+    (out / "tune").mkdir(exist_ok=True)
+    tried_path = out / "tune" / "tried.jsonl"
+    tried = [json.loads(x) for x in tried_path.read_text().splitlines()] if tried_path.is_file() else []
     results = []
-    for i, setting in enumerate(tune_grid(cfg, budget)):
+    for i, setting in enumerate(tune_grid(cfg, budget, lr)):
+        done = [t for t in tried if t["setting"] == asdict(setting) and t["seeds"] == tune_seeds]
+        if done and done[0]["steps"] == steps:
+            results.append(done[0])
+            continue
         rewards = []
+        flat = []
         for seed in tune_seeds:
             run_dir = out / "tune" / f"setting{i}_seed{seed}"
             extra = [
@@ -440,22 +463,28 @@ def run_tune(
                 f"logging.progress={str(progress).lower()}",
                 "logging.step_lines=false",
             ]
-            trainer = Trainer(_arm_config(config, overrides, extra), overwrite=True)
+            trainer = Trainer(_arm_config(config, per_seed(seed), extra), overwrite=True)
             try:
                 history = trainer.train()
             finally:
                 trainer.close()
             rewards.append([rec["reward_mean"] for rec in history])
+            flat.append(sum(rec["flat_group_frac"] for rec in history) / len(history))
         late = [sum(r[len(r) // 2 :]) / len(r[len(r) // 2 :]) for r in rewards]
         first = [r[0] for r in rewards]
         results.append(
             {
                 "setting": asdict(setting),
+                "seeds": tune_seeds,
+                "steps": steps,
                 "late_reward": sum(late) / len(late),
                 "first_reward": sum(first) / len(first),
                 "rewards": rewards,
+                "flat_group_frac": sum(flat) / len(flat),
             }
         )
+        with tried_path.open("a") as f:
+            f.write(json.dumps(results[-1]) + "\n")
         _say(progress, f"tune {i}: {asdict(setting)} late reward {results[-1]['late_reward']:.3f}")
     best = max(results, key=lambda r: (r["late_reward"], -r["setting"]["lr"]))
     improves = best["late_reward"] > best["first_reward"]

@@ -296,17 +296,27 @@ def test_short_demo_gains_and_its_control_does_not(tmp_path):
 # `opsd demo --compare`
 
 
+def _demo_arm(arm: str, s) -> list[str]:
+    """What `opsd compare` changes for ``arm`` on the demo's configuration (untuned GRPO settings)."""
+    from opsd import compare as general
+
+    budget = general.Budget(s.opsd_steps, s.prompts_per_step, s.eval_every)
+    grpo = general.GRPOSettings(s.grpo_lr, s.temperature, s.grpo_n, False)
+    return general.method_overrides(arm, grpo, 1.0, budget)
+
+
 def test_arms_differ_from_opsd_only_where_they_say():
     s = base.DemoSettings()
-    assert compare.arm_overrides("opsd", s) == []
-    assert compare.arm_overrides("control_a", s) == ["teacher.privileged=false"]
-    assert compare.arm_overrides("control_b", s) == ["teacher.solution_source=other"]
-    grpo = compare.arm_overrides("grpo", s)
-    assert "objective=grpo" in grpo and "grpo.grader=opsd.demo.task:grade" in grpo
+    assert _demo_arm("opsd", s) == []
+    assert _demo_arm("control_a", s) == ["teacher.privileged=false"]
+    assert _demo_arm("control_b", s) == ["teacher.solution_source=other"]
+    grpo = _demo_arm("grpo", s)
+    assert "objective=grpo" in grpo
     # as many responses a step as OPSD: 64 problems x 1 = 8 problems x 8 samples
     assert compare.grpo_prompts(s) * s.grpo_n == s.prompts_per_step
     assert "rollout.n=8" in grpo and "rollout.prompts_per_step=8" in grpo
     assert f"optim.lr={s.grpo_lr}" in grpo  # its own: at OPSD's lr it collapses
+    assert _demo_arm("mixed", s) == [*grpo, "grpo.distill_coef=1.0"]
 
 
 def test_grpo_arm_configures_the_trainer(tmp_path):
@@ -316,11 +326,11 @@ def test_grpo_arm_configures_the_trainer(tmp_path):
     s = base.DemoSettings()
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps(task.make_row(437, 285, 3)) + "\n")
-    for arm in ("opsd", "grpo", "control_a", "control_b"):
+    for arm in ("opsd", "grpo", "mixed", "control_a", "control_b"):
         cfg = load_config(
             None,
             demo_run.train_overrides(s, tmp_path, data, tmp_path / arm, control=False, progress=False)
-            + compare.arm_overrides(arm, s),
+            + ["grpo.grader=opsd.demo.task:grade", *_demo_arm(arm, s)],
         )
         assert cfg.rollout.prompts_per_step * cfg.rollout.n == s.prompts_per_step
     assert cfg.teacher.solution_source == "other" and cfg.objective == "opsd"
@@ -410,7 +420,7 @@ def test_cli_rejects_bad_seed_lists(capsys):
 
 def test_compare_refuses_a_directory_it_did_not_write(tmp_path):
     (tmp_path / "precious.txt").write_text("keep me")
-    with pytest.raises(UserError, match="not an `opsd demo --compare` directory"):
+    with pytest.raises(UserError, match="not an `opsd compare` directory"):
         compare.run_compare(base.DemoSettings(), [0], tmp_path, cache=tmp_path / "cache", progress=False)
     assert not (tmp_path / "cache").exists()
 
@@ -440,9 +450,9 @@ def test_short_compare_writes_the_table_and_plot_and_control_a_stays_put(tmp_pat
     assert list(arms) == list(compare.ARMS)
     for a in arms.values():
         assert [p["step"] for p in a["points"]] == [0, 1, 2]
-        assert (out / "seed0" / a["arm"] / "eval.jsonl").is_file()
+        assert (out / "seed0" / a["arm"] / "compare_eval.jsonl").is_file()
     assert arms["sft"]["points"][-1]["generated_tokens"] == 0
-    for name in ("opsd", "grpo", "control_a", "control_b"):
+    for name in ("opsd", "grpo", "mixed", "control_a", "control_b"):
         assert arms[name]["points"][-1]["generated_tokens"] > arms[name]["points"][1]["generated_tokens"] > 0
     # control A: the teacher reads what the student reads with the initial weights: nothing moves
     assert compare.gain(r, "control_a") == [0.0]

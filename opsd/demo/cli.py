@@ -23,6 +23,13 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="OPSD against GRPO, SFT and two controls at equal optimizer steps (docs/demo.md)",
     )
+    p.add_argument(
+        "--tune-grpo",
+        type=int,
+        metavar="STEPS",
+        help="--compare: first choose GRPO's settings by training reward over STEPS steps on seeds "
+        "1000,1001 (never reported); reused from RUN_DIR/tune/grpo.json when present",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--seeds", type=_seed_list, default=None, help="--compare: seeds, e.g. 0,1,2 (default: --seed)"
@@ -104,7 +111,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         "control B (another problem's solution)",
         file=sys.stderr,
     )
-    r = compare.run_compare(s, seeds, out, cache=args.cache)
+    r = compare.run_compare(s, seeds, out, cache=args.cache, tune_steps=args.tune_grpo)
     print()
     print(compare.format_compare_table(r))
     print(f"plot: {r['plot']}")

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from opsd.demo.base import DemoSettings, sft_pairs
+from opsd.demo import task
+from opsd.demo.base import DemoSettings
 from opsd.demo.run import (
-    EvalPoint,
     Prepared,
-    _say,
-    heldout_accuracy,
     prepare,
     train_overrides,
-    train_with_evals,
 )
 from opsd.errors import UserError
 
@@ -37,11 +34,11 @@ from opsd.errors import UserError
 ARMS: dict[str, str] = {
     "opsd": "OPSD",
     "grpo": "GRPO",
+    "mixed": "GRPO + distillation",
     "sft": "SFT on worked solutions",
     "control_a": "control A: teacher without the solution",
     "control_b": "control B: teacher with another problem's solution",
 }
-MARKER = "compare.json"  # written first into a compare directory: only such a directory is overwritten
 
 
 def grpo_prompts(s: DemoSettings) -> int:
@@ -49,98 +46,21 @@ def grpo_prompts(s: DemoSettings) -> int:
     return max(1, s.prompts_per_step // s.grpo_n)
 
 
-def arm_overrides(arm: str, s: DemoSettings) -> list[str]:
-    """What an arm changes in the demo's `opsd train` configuration (train_overrides)."""
-    return {
-        "opsd": [],
-        "control_a": ["teacher.privileged=false"],
-        "control_b": ["teacher.solution_source=other"],
-        "grpo": [
-            "objective=grpo",
-            "grpo.grader=opsd.demo.task:grade",
-            f"rollout.n={s.grpo_n}",
-            f"rollout.prompts_per_step={grpo_prompts(s)}",
-            f"optim.lr={s.grpo_lr}",
-        ],
-    }[arm]
-
-
-@dataclass
-class ArmResult:
-    arm: str
-    seed: int
-    points: list[EvalPoint]  # held-out evaluations, step 0 (the base model) first
-    seconds: float  # the whole arm, evaluations included
-
-    @property
-    def final(self) -> EvalPoint:
-        return self.points[-1]
-
-
-def run_trainer_arm(arm: str, s: DemoSettings, p: Prepared, run_dir: Path, progress: bool) -> ArmResult:
-    """OPSD, a control or GRPO: the demo's Trainer with the arm's overrides."""
-    from opsd.config import load_config
-    from opsd.models import load_tokenizer
-    from opsd.trainer import Trainer
-
-    t0 = time.time()
-    overrides = train_overrides(
-        s, p.base, p.data_dir / "train.jsonl", run_dir, control=False, progress=progress
-    )
-    overrides += ["checkpoint.enabled=false", *arm_overrides(arm, s)]
-    trainer = Trainer(load_config(None, overrides), overwrite=True)
-    try:
-        points = train_with_evals(
-            trainer, load_tokenizer(str(p.base)), p, s, run_dir, progress, label=ARMS[arm]
-        )
-    finally:
-        trainer.close()
-    return ArmResult(arm, s.seed, points, time.time() - t0)
-
-
-def run_sft_arm(s: DemoSettings, p: Prepared, run_dir: Path, progress: bool) -> ArmResult:
-    """`opsd sft`'s loop on the worked solutions of OPSD's problems, with OPSD's batch, lr and schedule."""
-    from opsd.models import load_model, load_tokenizer
-    from opsd.sft import sft
-
-    t0 = time.time()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tok, model = load_tokenizer(str(p.base)), load_model(str(p.base))
-    points = [EvalPoint(0, p.student_before, 0, 0.0)]
-    clock = {"train": 0.0, "since": time.time()}
-
-    def evaluate(step: int, loss: float) -> None:
-        if step % s.eval_every and step != s.opsd_steps:
-            return
-        clock["train"] += time.time() - clock["since"]
-        acc = heldout_accuracy(model, tok, p.heldout, s.digits, with_solution=False)
-        points.append(EvalPoint(step, acc, 0, clock["train"]))
-        _say(progress, f"{ARMS['sft']} step {step}: held-out accuracy {100 * acc:.1f}%")
-        clock["since"] = time.time()
-
-    torch.manual_seed(s.seed)
-    sft(
-        model,
-        sft_pairs(tok, p.train, teacher_frac=0.0, seed=s.seed),
-        steps=s.opsd_steps,
-        lr=s.opsd_lr,
-        batch_size=s.prompts_per_step,
-        seed=s.seed,
-        pad_id=tok.pad_token_id,
-        warmup=s.opsd_warmup,
-        schedule="cosine",
-        grad_clip=1.0,
-        progress=progress,
-        desc=ARMS["sft"],
-        callback=evaluate,
-    )
-    (run_dir / "eval.jsonl").write_text("".join(json.dumps(asdict(e)) + "\n" for e in points))
-    return ArmResult("sft", s.seed, points, time.time() - t0)
-
-
-def _check_out_dir(out: Path) -> None:
-    if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise UserError(f"{out} exists and is not an `opsd demo --compare` directory; pass another --run-dir")
+def demo_overrides(s: DemoSettings, p: Prepared, progress: bool) -> list[str]:
+    """The demo's `opsd train` configuration for one seed, with its held-out set and grader: what
+    `opsd compare` runs every method from."""
+    heldout = p.data_dir / "heldout.jsonl"
+    return [
+        *train_overrides(s, p.base, p.data_dir / "train.jsonl", p.data_dir, control=False, progress=progress),
+        "grpo.grader=opsd.demo.task:grade",
+        f"eval.path={heldout}",
+        "eval.grader=opsd.demo.task:grade",
+        "eval.k=1",
+        "eval.temperature=0",
+        f"eval.max_new_tokens={task.max_response_tokens(s.digits)}",
+        "eval.divergence=true",
+        "rollout.batch_size=512",
+    ]
 
 
 def run_compare(
@@ -152,54 +72,88 @@ def run_compare(
     cache: Path | None = None,
     progress: bool = True,
     threads: int | None = 1,
+    tune_steps: int | None = None,
+    tune_seeds: tuple[int, ...] = (1000, 1001),
 ) -> dict:
-    """Every arm on every seed; writes OUT/seedN/ARM/ run directories, compare.png and compare_result.json.
+    """`opsd compare` on the demo's configuration: every arm on every seed, into OUT/seedN/ARM/; writes
+    compare_result.json (the demo's summary, with the ceiling of each seed's base model reading the
+    worked solution) beside `opsd compare`'s compare.json, compare.md and compare.png.
 
     ``threads``: torch CPU threads while it runs (restored after), 1 as in `opsd demo` (see run_opsd).
+    GRPO's settings: ``s.grpo_n`` and ``s.grpo_lr``, or those `opsd compare --tune grpo` chose into
+    OUT/tune/grpo.json. ``tune_steps``: run that choice first (`opsd compare --tune grpo`: up to 8
+    settings around ``s.grpo_lr`` on ``tune_seeds``, which are never reported), unless it is there.
     """
+    from opsd import compare as general
     from opsd.fetch import opsd_home
 
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
         raise UserError(f"unknown arm(s) {unknown}; choose from {list(ARMS)}")
     out = Path(out)
-    _check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text(
-        json.dumps({"settings": asdict(s), "seeds": seeds, "arms": list(arms)}, indent=2)
-    )
+    general.claim_dir(out)
     prev = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     t0 = time.time()
-    seeds_out = []
     try:
-        for seed in seeds:
-            ss = replace(s, seed=seed)
-            p = prepare(ss, Path(cache or opsd_home() / "demo"), progress)
-            results = []
-            for arm in arms:
-                _say(progress, f"seed {seed}: {ARMS[arm]}")
-                run_dir = out / f"seed{seed}" / arm
-                if arm == "sft":
-                    r = run_sft_arm(ss, p, run_dir, progress)
-                else:
-                    r = run_trainer_arm(arm, ss, p, run_dir, progress)
-                results.append(asdict(r))
-            seeds_out.append(
-                {
-                    "seed": seed,
-                    "student_before": p.student_before,
-                    "teacher_with_solution": p.teacher_with_solution,
-                    "seconds_base_model": p.seconds_base_model,
-                    "arms": results,
-                }
+        where = Path(cache or opsd_home() / "demo")
+        tune = tune_steps and not (out / general.TUNE_FILE).is_file()
+        runs = [*seeds, *(tune_seeds if tune else ())]
+        prepared = {seed: prepare(replace(s, seed=seed), where, progress) for seed in runs}
+        if tune:
+            general.run_tune(
+                None,
+                lambda seed: demo_overrides(replace(s, seed=seed), prepared[seed], progress),
+                out,
+                tune_seeds=list(tune_seeds),
+                reported=seeds,
+                steps=tune_steps,
+                lr=s.grpo_lr,
+                progress=progress,
             )
+        r = general.run_compare(
+            None,
+            lambda seed: demo_overrides(replace(s, seed=seed), prepared[seed], progress),
+            out,
+            methods=list(arms),
+            seeds=seeds,
+            steps=s.opsd_steps,
+            eval_every=s.eval_every,
+            grpo_n=s.grpo_n,
+            grpo_lr=s.grpo_lr,
+            sft_lr=s.opsd_lr,
+            progress=progress,
+        )
     finally:
         torch.set_num_threads(prev)
+    seeds_out = []
+    for seed in seeds:
+        runs = [x for x in r["runs"] if x["seed"] == seed]
+        p = prepared[seed]
+        arms_out = [
+            {
+                "arm": x["method"],
+                "seed": seed,
+                "points": x["points"],
+                "seconds": x["points"][-1]["train_seconds"],
+            }
+            for x in runs
+        ]
+        seeds_out.append(
+            {
+                "seed": seed,
+                "student_before": runs[0]["points"][0]["accuracy"],
+                "teacher_with_solution": p.teacher_with_solution,
+                "seconds_base_model": p.seconds_base_model,
+                "arms": arms_out,
+            }
+        )
     result = {
         "settings": asdict(s),
-        "grpo_prompts_per_step": grpo_prompts(s),
+        "grpo": r["grpo"],
+        "grpo_source": r["grpo_source"],
+        "grpo_prompts_per_step": r["budget"]["responses_per_step"] // r["grpo"]["n"],
         "seeds": seeds_out,
         "seconds": time.time() - t0,
     }
