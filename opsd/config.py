@@ -92,6 +92,9 @@ class RolloutConfig(_Section):
     # The largest |log-prob| difference a sync's probe accepts between server and trainer (float32 on
     # both: ~1e-6; use ~0.1 for bf16 servers, whose logits round at 2^-8).
     sync_tolerance: float = Field(1e-3, gt=0)
+    # vllm_server: 1 requests the next step's rollouts before this step trains (one step off-policy:
+    # they come from the weights before this step's update); metric policy_lag.
+    overlap: Literal[0, 1] = 0
 
     def plain_sampling(self) -> bool:
         """Sampling from the tempered softmax itself (no top-k/top-p): the log-probs are comparable."""
@@ -178,6 +181,9 @@ class GRPOConfig(_Section):
     # > 0: add this times the distillation loss against the configured, privileged teacher (reward and
     # distillation together); 0: GRPO alone, with no teacher and no solutions.
     distill_coef: float = Field(0.0, ge=0)
+    # Truncated importance sampling: each token's policy-gradient weight times min(S(y) / engine's
+    # S(y), tis_cap), where the engine reports log-probs (vLLM; a lag with rollout.overlap). 0: off.
+    tis_cap: float = Field(2.0, ge=0)
 
 
 class OptimConfig(_Section):
@@ -285,6 +291,8 @@ class Config(_Section):
                 "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
             )
         r = self.rollout
+        if r.overlap and r.engine != "vllm_server":
+            raise ValueError("rollout.overlap=1 needs rollout.engine=vllm_server (separate servers)")
         if r.engine == "vllm_server" and not r.servers:
             raise ValueError("rollout.engine=vllm_server needs rollout.servers: [http://HOST:PORT, ...]")
         bad = [s for s in r.servers if not s.startswith(("http://", "https://"))]

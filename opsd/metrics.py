@@ -42,8 +42,9 @@ STEP_KEYS = (
     "time_step",
     "peak_mem_gb",
 )
-# Written only when measured: the rollout/trainer log-prob gap (rollout.logprob_check), GRPO's reward.
-OPTIONAL_KEYS = ("logprob_gap", "reward_mean", "flat_group_frac")
+# Written only when measured: the rollout/trainer log-prob gap (rollout.logprob_check), GRPO's reward,
+# the rollouts' policy lag (rollout.overlap).
+OPTIONAL_KEYS = ("logprob_gap", "reward_mean", "flat_group_frac", "policy_lag")
 
 
 def step_record(

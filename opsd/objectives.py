@@ -114,6 +114,7 @@ class GRPO:
     chunk_size: int | None
     distill: Distillation
     distill_coef: float = 0.0
+    tis_cap: float = 0.0
     needs_answers: bool = True
 
     @property
@@ -139,18 +140,25 @@ class GRPO:
         per_token = [
             scores.advantages[i] for i, n in zip(mb.sample_indices, mb.response_lens) for _ in range(n)
         ]
-        adv = mb.weights.new_tensor(per_token)
+        coef = mb.weights * mb.weights.new_tensor(per_token)
+        t = self.distill.sampling_temperature
+        mine = None
+        if self.tis_cap and mb.rollout_logprobs is not None:
+            # The engine sampled from its own policy (one step older with rollout.overlap, and other
+            # kernels): weigh each token by min(S(y) / S_engine(y), cap), as verl and slime do.
+            mine = token_logprobs(s_hidden, head, mb.targets, temperature=t, chunk_size=self.chunk_size)
+            ratio = (mine - mb.rollout_logprobs).exp().clamp(max=self.tis_cap)
+            coef = coef * ratio.to(coef.dtype)
         loss, stats = fused_linear_policy_gradient(
             s_hidden,
             head,
             mb.targets,
-            mb.weights * adv,
+            coef,
             temperature=self.temperature,
             chunk_size=self.chunk_size,
         )
         if not self.uses_teacher:
-            t = self.distill.sampling_temperature
-            check_rollout_logprobs(stats, mb, s_hidden, head, None, t, self.chunk_size)
+            check_rollout_logprobs(stats, mb, s_hidden, head, mine, t, self.chunk_size)
             return loss, stats
         # The distillation term's statistics (divergence, clipping, agreement) are the step's.
         distill_loss, stats = self.distill.loss(
@@ -207,4 +215,5 @@ def make_objective(cfg: Config) -> Objective:
         chunk_size=cfg.loss.chunk_size,
         distill=distill,
         distill_coef=cfg.grpo.distill_coef,
+        tis_cap=cfg.grpo.tis_cap,
     )

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -95,6 +96,18 @@ class StepOutputs:
     grad_norm: Tensor
     finite: bool
     timer: metrics.StepTimer  # the phases' wall times
+    policy_lag: float = 0.0  # optimizer steps between the sampling weights and the trained ones
+
+
+@dataclass
+class Pending:
+    """Rollouts requested one step ahead (``rollout.overlap``): the problems, and the engine's handle
+    until the responses are collected."""
+
+    example_indices: list[int]
+    prompts: list[tuple[list[int], list[int]]]
+    handle: Any = None
+    completions: list[Completion] | None = None
 
 
 class Trainer:
@@ -202,6 +215,7 @@ class Trainer:
         self.step_num = 0
         self.bad_steps = 0
         self.stop = GracefulStop()
+        self.pending: Pending | None = None  # rollout.overlap: the next step's rollouts, in flight
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
         self.metrics = distributed.run_setup(lambda: self._start(resume), "run directory setup")
@@ -335,11 +349,9 @@ class Trainer:
         """One optimizer step of the objective (OPSD by default); :meth:`record` makes its metrics."""
         timer = metrics.StepTimer.for_step(self.device)
 
-        # 1-2. Draw this rank's share of the global batch; roll out n responses to each, current weights.
-        ex_idx = self.cursor.next_indices(self.prompts_per_rank)
-        prompts = [self.prompts(i, self.examples[i]) for i in ex_idx]
-        with timer("rollout"):
-            completions = self.rollout([student for student, _ in prompts])
+        # 1-2. Draw this rank's share of the global batch; roll out n responses to each (with
+        # rollout.overlap, requested one step ago and the next step's requested now).
+        ex_idx, prompts, completions, lag = self.rollouts(timer)
 
         # 3. Splice each response, token for token, after the student prompt and the teacher prompt.
         samples = [
@@ -375,7 +387,44 @@ class Trainer:
             grad_norm=grad_norm,
             finite=finite,
             timer=timer,
+            policy_lag=lag,
         )
+
+    def rollouts(self, timer) -> tuple[list[int], list, list[Completion], float]:
+        """This step's problems (example indices and prompt pairs), their responses, and the responses'
+        policy lag (optimizer steps between the weights that sampled them and the ones they train).
+
+        With ``rollout.overlap`` the responses were requested one step ago, before the last update,
+        and the next step's are requested now, so the servers sample them while this step trains."""
+        if not self.cfg.rollout.overlap:
+            ex_idx, prompts = self.draw()
+            with timer("rollout"):
+                return ex_idx, prompts, self.rollout([student for student, _ in prompts]), 0.0
+        pending, lag = self.pending, 1.0
+        if pending is None:  # the first step, or a resume without one: nothing was requested ahead
+            pending, lag = self.request(self.step_num), 0.0
+        with timer("rollout"):
+            completions = self.collect(pending)
+        self.pending = (
+            self.request(self.step_num + 1) if self.step_num + 1 < self.cfg.optim.max_steps else None
+        )
+        return pending.example_indices, pending.prompts, completions, lag
+
+    def draw(self) -> tuple[list[int], list]:
+        ex_idx = self.cursor.next_indices(self.prompts_per_rank)
+        return ex_idx, [self.prompts(i, self.examples[i]) for i in ex_idx]
+
+    def request(self, step: int) -> Pending:
+        """Draw ``step``'s problems and ask the engine for their responses without waiting."""
+        ex_idx, prompts = self.draw()
+        handle = self.engine.submit([s for s, _ in prompts], self.cfg.rollout.n, self.sampling(step))
+        return Pending(ex_idx, prompts, handle)
+
+    def collect(self, pending: Pending) -> list[Completion]:
+        if pending.completions is None:
+            pending.completions = self.engine.collect(pending.handle)
+            pending.handle = None
+        return pending.completions
 
     def microbatches(self, samples: list) -> list[MicroBatch]:
         """Pack this rank's samples into micro-batches within the token budget, weighted by the global
@@ -446,10 +495,16 @@ class Trainer:
     def rollout(self, prompts: list[list[int]], *, n: int | None = None, step: int | None = None) -> list:
         """``rollout.n`` (or ``n``) responses per prompt, seeded by step (this one, or ``step``) and rank:
         a resume samples what a run would have."""
+        params = self.sampling(self.step_num if step is None else step)
+        self.engine.wake()
+        completions = self.engine.generate(prompts, n or self.cfg.rollout.n, params)
+        self.engine.sleep()
+        return completions
+
+    def sampling(self, step: int) -> SamplingParams:
         r = self.cfg.rollout
-        step = self.step_num if step is None else step
         seed = (distributed.rank_seed(self.cfg.seed, self.rank) * 1_000_003 + step * 7919) % 2**63
-        params = SamplingParams(
+        return SamplingParams(
             temperature=r.temperature,
             top_p=r.top_p,
             top_k=r.top_k,
@@ -457,10 +512,6 @@ class Trainer:
             stop_strings=list(r.stop_strings),
             seed=seed,
         )
-        self.engine.wake()
-        completions = self.engine.generate(prompts, n or r.n, params)
-        self.engine.sleep()
-        return completions
 
     def optimizer_step(self, loss_sum: Tensor) -> tuple[Tensor, Tensor, bool]:
         """Clip and step. FSDP summed the gradients over ranks (the loss weights are normalized by global
@@ -475,6 +526,8 @@ class Trainer:
         self.bad_steps = 0 if finite else self.bad_steps + 1
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.pending is not None:  # every rollout requested ahead is sampled before the weights move
+            self.collect(self.pending)
         if finite:
             self.teacher.update()
             self.engine.sync_weights(self.model)
@@ -523,7 +576,8 @@ class Trainer:
             elapsed=out.timer.elapsed(),
             peak_mem_gb=metrics.peak_memory_gb(self.device),
         )
-        return rec | self.objective.metrics(total)
+        lag = {"policy_lag": out.policy_lag} if self.cfg.rollout.overlap else {}
+        return rec | self.objective.metrics(total) | lag
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -696,7 +750,7 @@ class Trainer:
             self.tokenizer,
             shared,
             optimizer=self.optimizer,
-            rank_state={"truncated": self.prompts.state_dict()},
+            rank_state={"truncated": self.prompts.state_dict(), "pending": self._pending_state()},
             tensors=self.teacher.tensors(),
             keep_last=self.cfg.checkpoint.keep_last,
             save_merged=self.cfg.checkpoint.save_merged,
@@ -717,9 +771,24 @@ class Trainer:
         self.cursor.load_state_dict(state["cursor"])
         self.step_num, self.bad_steps = state["step"], state["bad_steps"]
         self.prompts.load_state_dict(mine.get("truncated", {"student": 0, "teacher": 0}))  # empty: a new rank
+        self.pending = _pending_from_state(mine.get("pending"))
+        if distributed.any_rank(self.pending is None):  # another number of ranks: nothing ahead on some
+            self.pending = None
         self.engine.sync_weights(self.model)
         if self.rank == 0:
             print(f"resumed from {ckpt} at step {self.step_num}", file=sys.stderr)
+
+    def _pending_state(self) -> dict | None:
+        """The rollouts requested ahead, collected, in types a weights-only load accepts: regenerating
+        them on resume would need the previous step's weights."""
+        if self.pending is None:
+            return None
+        done = self.collect(self.pending)
+        return {
+            "example_indices": self.pending.example_indices,
+            "prompts": [[list(s), list(t)] for s, t in self.pending.prompts],
+            "completions": [[c.prompt_index, c.token_ids, c.logprobs, c.finish_reason] for c in done],
+        }
 
     def close(self) -> None:
         """Shut the rollout engine down while the process group still exists (vLLM's teardown uses it);
@@ -727,3 +796,14 @@ class Trainer:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.close()
+
+
+def _pending_from_state(state: dict | None) -> Pending | None:
+    if not state:
+        return None
+    completions = [
+        Completion(i, list(t), list(lp) if lp is not None else None, r)
+        for i, t, lp, r in state["completions"]
+    ]
+    prompts = [(list(s), list(t)) for s, t in state["prompts"]]
+    return Pending(list(state["example_indices"]), prompts, None, completions)

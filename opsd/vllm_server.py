@@ -29,7 +29,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,7 @@ class VLLMServerEngine:
         self.sync_tolerance = sync_tolerance
         self.rank, self.world = rank_world()
         self.syncs = 0
+        self._background = ThreadPoolExecutor(max_workers=1)  # submit(): one rollout batch ahead
         self.last_probe_gap: float | None = None
         # Down at start is a user error (one line naming the server); the model each serves is asked once.
         self.model_names = [self._model_name(s) for s in self.servers]
@@ -135,34 +136,48 @@ class VLLMServerEngine:
         """``len(prompts) * n`` completions, prompt-major; prompt ``i`` to server ``i mod S``."""
         params.validate()
         _check_prompts(prompts, n, self.vocab_size)
-        stop_ids = _stop_ids(self.tokenizer, self.model, list(params.stop_token_ids))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
 
         def one(i: int) -> list[Completion]:
-            s = (self.rank * len(prompts) + i) % len(self.servers)
-            body = {
-                "model": self.model_names[s],
-                "prompt": list(prompts[i]),
-                "n": n,
-                "max_tokens": params.max_new_tokens,
-                "min_tokens": params.min_new_tokens,
-                "temperature": params.temperature,
-                "top_p": params.top_p,
-                "top_k": params.top_k if params.top_k > 0 else -1,
-                "seed": (seed + 7919 * i) % 2**63,
-                "stop": list(params.stop_strings),
-                "stop_token_ids": stop_ids,
-                "include_stop_str_in_output": True,
-                "logprobs": 0,
-                "return_token_ids": True,
-                "skip_special_tokens": False,
-            }
-            out = self._post(self.servers[s], "/v1/completions", body)
-            return [self._completion(i, c, self.servers[s]) for c in sorted(out["choices"], key=_index)]
+            server = (self.rank * len(prompts) + i) % len(self.servers)
+            # One seed per request: a resumed run asks each server for what the original asked.
+            return self._complete(server, i, prompts[i], n, params, (seed + 7919 * i) % 2**63)
 
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(prompts)))) as pool:
             groups = list(pool.map(one, range(len(prompts))))
         return [c for g in groups for c in g]
+
+    def submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Future:
+        """:meth:`generate` in the background (``rollout.overlap``): the servers sample while the
+        trainer trains; :meth:`collect` waits for the result."""
+        return self._background.submit(self.generate, prompts, n, params)
+
+    def collect(self, handle: Future) -> list[Completion]:
+        return handle.result()
+
+    def _complete(
+        self, s: int, i: int, prompt: list[int], n: int, params: SamplingParams, seed: int
+    ) -> list[Completion]:
+        """One ``/v1/completions`` request to server ``s`` for prompt ``i``'s ``n`` samples."""
+        body = {
+            "model": self.model_names[s],
+            "prompt": list(prompt),
+            "n": n,
+            "max_tokens": params.max_new_tokens,
+            "min_tokens": params.min_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else -1,
+            "seed": seed,
+            "stop": list(params.stop_strings),
+            "stop_token_ids": _stop_ids(self.tokenizer, self.model, list(params.stop_token_ids)),
+            "include_stop_str_in_output": True,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        out = self._post(self.servers[s], "/v1/completions", body)
+        return [self._completion(i, c, self.servers[s]) for c in sorted(out["choices"], key=_index)]
 
     @staticmethod
     def _completion(i: int, choice: dict, server: str) -> Completion:
@@ -218,10 +233,11 @@ class VLLMServerEngine:
 
         prompt = self.tokenizer("The weights were synchronised.", add_special_tokens=False).input_ids
         # Plain sampling at T=1 (no top-k/top-p, no masked stop tokens): the log-probs are comparable.
-        params = SamplingParams(temperature=1.0, max_new_tokens=PROBE_TOKENS, seed=1234)
+        params = SamplingParams(temperature=1.0, max_new_tokens=PROBE_TOKENS)
         probes: list[Any] = [None]
         if self.rank == 0:
-            probes = [[(s, self._probe_one(s, prompt, params)) for s in range(len(self.servers))]]
+            done = [self._complete(s, 0, prompt, 1, params, 1234)[0] for s in range(len(self.servers))]
+            probes = [[(s, (c.token_ids, c.logprobs)) for s, c in enumerate(done)]]
         if self.world > 1:
             dist.broadcast_object_list(probes, src=0)
         device = next(model.parameters()).device
@@ -248,15 +264,6 @@ class VLLMServerEngine:
                 f"(rollout.sync_tolerance={self.sync_tolerance:g})"
             )
 
-    def _probe_one(self, s: int, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[float]]:
-        saved = self.servers, self.model_names, self.rank
-        try:
-            self.servers, self.model_names, self.rank = [saved[0][s]], [saved[1][s]], 0
-            (c,) = self.generate([prompt], 1, params)
-        finally:
-            self.servers, self.model_names, self.rank = saved
-        return c.token_ids, c.logprobs
-
     def sleep(self) -> None:
         pass
 
@@ -264,7 +271,7 @@ class VLLMServerEngine:
         pass
 
     def close(self) -> None:
-        pass
+        self._background.shutdown(wait=True)
 
 
 def _index(choice: dict) -> int:

@@ -122,8 +122,8 @@ def test_tuning_never_reads_a_reported_seeds_heldout_set(assets, tmp_path, monke
         None, _overrides(assets), out, tune_seeds=[5, 6], reported=[0], steps=2, progress=False
     )
     assert read and assets["heldout"] not in read
-    assert len(tune["results"]) == len(compare.tune_grid(compare._arm_config(None, _overrides(assets), []),
-                                                          compare.Budget(2, 4, 2)))  # fmt: skip
+    grid = compare.tune_grid(compare._arm_config(None, _overrides(assets), []), compare.Budget(2, 4, 2))
+    assert len(tune["results"]) == len(grid)
     assert tune["chosen"] in [r["setting"] for r in tune["results"]]
     result = compare.run_compare(
         None, _overrides(assets), out, methods=["grpo"], seeds=[0], steps=1, eval_every=1, progress=False

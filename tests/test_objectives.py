@@ -129,3 +129,28 @@ def test_heldout_divergence_is_recorded_at_evaluation(assets, tmp_path, objectiv
     assert math.isfinite(rec["eval/divergence"]) and rec["eval/divergence"] >= 0.0
     again = tr.heldout_divergence()  # the same seed stream at every evaluation: the same number
     assert again["divergence"] == rec["eval/divergence"]
+
+
+@pytest.mark.parametrize(("shift", "expected"), [(math.log(1.5), 1.5), (math.log(3.0), 2.0), (0.0, 1.0)])
+def test_truncated_importance_sampling_scales_the_policy_gradient(shift, expected):
+    """With engine log-probs below the trainer's by ``shift`` every token's weight is
+    min(exp(shift), cap=2): the loss and its gradients scale by exactly that (float64, same
+    operations on scaled coefficients: 1e-12)."""
+    from opsd.loss import token_logprobs
+
+    gen = torch.Generator().manual_seed(1)
+    vocab, hidden, lens = 13, 6, [2, 3]
+    n = sum(lens)
+    s_hidden = torch.randn(n, hidden, generator=gen, dtype=torch.float64)
+    head = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64)
+    mb = _micro_batch(n, lens, vocab, gen)
+    scores = Scores(advantages=[0.5, -1.0])
+    distill = Distillation(DistillSpec(temperature=1.0), chunk_size=4, sampling_temperature=1.0)
+    plain = _grads(GRPO(lambda r, a: 0.0, False, 1.0, 4, distill), s_hidden, None, head, mb, scores)
+    mine = token_logprobs(s_hidden, head, mb.targets, temperature=1.0)
+    mb.rollout_logprobs = mine - shift
+    tis = GRPO(lambda r, a: 0.0, False, 1.0, 4, distill, tis_cap=2.0)
+    scaled = _grads(tis, s_hidden, None, head, mb, scores)
+    assert math.isclose(scaled[0], expected * plain[0], rel_tol=1e-12)
+    for i in (1, 2):
+        torch.testing.assert_close(scaled[i], expected * plain[i], rtol=1e-12, atol=1e-15)

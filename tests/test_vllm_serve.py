@@ -86,8 +86,10 @@ def assets(tmp_path_factory):
     tok = build_tiny_tokenizer()
     build_tiny_model(tok, hidden_size=HIDDEN, seed=0).save_pretrained(root / "model")
     tok.save_pretrained(root / "model")
-    rows = [{"problem": f"What is {a} + {b}?", "solution": f"{a + b}.", "answer": str(a + b)} for a, b in
-            [(1, 2), (3, 4), (5, 6), (7, 8)]]  # fmt: skip
+    pairs = [(1, 2), (3, 4), (5, 6), (7, 8)]
+    rows = [
+        {"problem": f"What is {a} + {b}?", "solution": f"{a + b}.", "answer": str(a + b)} for a, b in pairs
+    ]
     (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"model": str(root / "model"), "data": str(root / "train.jsonl"), "root": root, "tok": tok}
 
@@ -156,3 +158,22 @@ def test_a_sync_makes_the_server_answer_like_a_fresh_one_on_the_new_weights(asse
     finally:
         fresh.stop()
     tr.close()
+
+
+def test_overlap_through_a_real_server(assets, tmp_path, server):
+    """rollout.overlap=1: the next step's rollouts are sampled on the weights before this step's
+    update (lag 1 after the first step); the engine's log-probs then come from the older weights, so
+    the gap is the effect of one update, not float32 rounding; it stays finite and small at lr 0.01."""
+    over = {
+        "rollout.overlap": 1,
+        "objective": "grpo",
+        "grpo.grader": "test_regression:letter_e_reward",
+        "data.solution_key": "null",
+    }
+    tr = Trainer(_cfg(assets, tmp_path, [server.url], **over))
+    history = tr.train()
+    tr.close()
+    assert [rec["policy_lag"] for rec in history] == [0.0, 1.0, 1.0]
+    assert history[0]["logprob_gap"] < BOUND  # on-policy: rounding only
+    assert all(0 <= rec["logprob_gap"] < 1.0 for rec in history)
+    print(f"overlap logprob_gap per step: {[rec['logprob_gap'] for rec in history]}")

@@ -30,6 +30,9 @@ class FakeServer:
         self.engine = HFEngine(self.model, self.tok)
         self.calls: list[str] = []
         self.fail_next: str | None = None  # a path that answers HTTP 500 once
+        # One request at a time: the HF engine seeds through a global RNG scope (vLLM has a generator
+        # per request), so concurrent requests would draw from each other's streams.
+        self.lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -55,7 +58,9 @@ class FakeServer:
                 if server.fail_next == path:
                     server.fail_next = None
                     return self._reply(500, {"error": "engine dead"})
-                self._reply(200, server.answer(path, body))
+                with server.lock:
+                    answer = server.answer(path, body)
+                self._reply(200, answer)
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
@@ -197,3 +202,37 @@ def test_serve_command_has_the_flags_opsd_needs(tmp_path):
     assert "--host 127.0.0.1" in joined and "--port 8123" in joined
     assert "--logprobs-mode processed_logprobs" in joined and "--enforce-eager" in joined
     assert cmd[-2:] == ["--max-model-len", "64"]
+
+
+def test_overlap_requests_the_next_rollouts_before_training(assets, tmp_path, server):
+    """rollout.overlap=1: step 1's rollouts are sampled on the spot (lag 0); step 2's are requested
+    before step 1 trains, so the server serves them before its first weight reload (lag 1)."""
+    tr = Trainer(_cfg(assets, tmp_path, [server.url], **{"rollout.overlap": 1, "optim.max_steps": 3}))
+    server.calls.clear()
+    history = tr.train()
+    assert [rec["policy_lag"] for rec in history] == [0.0, 1.0, 1.0]
+    first_sync = server.calls.index("/collective_rpc")
+    rollouts = [i for i, c in enumerate(server.calls) if c == "/v1/completions"]
+    # Two prompts a step: steps 1 and 2 were both requested before the first reload (probes aside).
+    assert sum(i < first_sync for i in rollouts) >= 4
+    assert tr.pending is None  # nothing is requested past optim.max_steps
+
+
+def test_overlap_resumes_exactly_with_the_batch_in_flight(assets, tmp_path, server):
+    """The batch requested ahead is in the checkpoint: a run stopped after step 2 and resumed matches
+    an uninterrupted one (same data, same responses, same losses)."""
+    over = {"rollout.overlap": 1, "optim.max_steps": 4}
+    straight = Trainer(_cfg(assets, tmp_path / "a", [server.url], **over)).train()
+    first = Trainer(_cfg(assets, tmp_path / "b", [server.url], **over))
+    first.train(until_step=2)
+    assert first.pending is not None
+    again = Trainer(_cfg(assets, tmp_path / "b", [server.url], **over), resume=True)
+    assert again.pending is not None and again.pending.completions is not None
+    resumed = again.train()
+    keys = ("loss", "divergence", "resp_len_mean", "policy_lag")
+    assert [[r[k] for k in keys] for r in straight[2:]] == [[r[k] for k in keys] for r in resumed]
+
+
+def test_overlap_needs_a_server_engine(assets, tmp_path):
+    with pytest.raises(UserError, match="overlap=1 needs rollout.engine=vllm_server"):
+        make_cfg(assets, tmp_path / "r", **{"rollout.overlap": 1})
