@@ -4,6 +4,7 @@ tuning on seeds whose held-out set it never reads."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from helpers import build_assets
@@ -11,6 +12,8 @@ from helpers import build_assets
 import opsd.trainer as trainer_mod
 from opsd import compare
 from opsd.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +148,39 @@ def test_bad_comparisons_are_one_line_errors(assets, tmp_path):
     (tmp_path / "d" / "x").write_text("mine")
     with pytest.raises(UserError, match="not an `opsd compare` directory"):
         compare.run_compare(None, _overrides(assets), tmp_path / "d", methods=["opsd"], seeds=[0])
+
+
+SHARED = ROOT.parent / "shared" / "data"
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+@pytest.mark.shared_data
+def test_compare_runs_on_smollm2_with_the_math_data(smollm2_path, tmp_path):
+    """`opsd compare` end to end on the real model and data at a tiny budget: OPSD, GRPO, SFT and
+    the mixed objective, 2 steps, 1 seed, held-out accuracy and divergence on 4 MATH-500 problems."""
+    if not (SHARED / "math_train.jsonl").is_file():
+        pytest.skip("../shared/data is not here")
+    overrides = [
+        f"data.path={SHARED / 'math_train.jsonl'}",
+        f"eval.path={SHARED / 'math500_test.jsonl'}",
+        "eval.limit=4",
+        "eval.max_new_tokens=16",
+        "eval.divergence=true",
+        "rollout.prompts_per_step=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=16",
+    ]
+    result = compare.run_compare(
+        ROOT / "examples" / "smollm2-math.yaml",
+        overrides,
+        tmp_path / "cmp",
+        methods=["opsd", "grpo", "sft", "mixed"],
+        seeds=[0],
+        steps=2,
+        eval_every=2,
+        grpo_n=2,
+        progress=False,
+    )
+    assert [r["method"] for r in result["runs"]] == ["opsd", "grpo", "sft", "mixed"]
+    assert all(r["points"][-1]["divergence"] is not None for r in result["runs"])
