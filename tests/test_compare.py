@@ -184,3 +184,20 @@ def test_compare_runs_on_smollm2_with_the_math_data(smollm2_path, tmp_path):
     )
     assert [r["method"] for r in result["runs"]] == ["opsd", "grpo", "sft", "mixed"]
     assert all(r["points"][-1]["divergence"] is not None for r in result["runs"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["compare"], "--config is required"),
+        (["compare", "--config", "x.yaml", "--steps", "0"], "--steps 0: must be >= 1"),
+        (["compare", "--config", "nope.yaml"], "config file not found"),
+        (["serve", "/no/such/model"], "no such model directory"),
+    ],
+)
+def test_command_mistakes_are_one_line(argv, message, capsys):
+    from opsd.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
