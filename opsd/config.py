@@ -61,8 +61,22 @@ class DataConfig(_Section):
     max_teacher_prompt_len: int = Field(2048, ge=8)
 
 
+def resolve_engine(setting: str) -> tuple[str, str]:
+    """``rollout.engine`` as the engine that runs, and why: ``auto`` is vLLM (colocated) where it is
+    installed, the HF engine otherwise. The one place ``auto`` is read; vLLM is not imported here."""
+    if setting != "auto":
+        return setting, f"rollout.engine={setting}"
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return "vllm", "rollout.engine=auto: vLLM is installed"
+    hint = "pip install -e '.[vllm]', or on CPU scripts/vllm_cpu_env.sh"
+    return "hf", f"rollout.engine=auto: vLLM is not installed ({hint})"
+
+
 class RolloutConfig(_Section):
-    engine: Literal["hf", "vllm", "vllm_server"] = "hf"
+    # auto: vLLM where it is installed, else hf (resolve_engine); the startup line says which.
+    engine: Literal["auto", "hf", "vllm", "vllm_server"] = "auto"
     prompts_per_step: int = Field(8, ge=1)  # the global batch: under torchrun each rank draws its share
     n: int = Field(1, ge=1)  # responses per prompt
     temperature: float = Field(1.1, ge=0)
@@ -101,7 +115,7 @@ class RolloutConfig(_Section):
         return self.temperature > 0 and self.top_k == 0 and self.top_p == 1.0
 
     def checks_logprobs(self) -> bool:
-        vllm = self.engine in ("vllm", "vllm_server")
+        vllm = resolve_engine(self.engine)[0] in ("vllm", "vllm_server")
         on = self.logprob_check is True or (self.logprob_check == "auto" and vllm)
         return on and self.plain_sampling()
 
@@ -304,7 +318,7 @@ class Config(_Section):
                 f"temperature={r.temperature}, top_k={r.top_k}, top_p={r.top_p} the log-probs differ "
                 "by design)"
             )
-        if r.engine == "hf" and r.tensor_parallel_size > 1:
+        if resolve_engine(r.engine)[0] == "hf" and r.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
         if self.eval.divergence and not self.data.solution_key:
             raise ValueError("eval.divergence=true needs data.solution_key (held-out solutions)")

@@ -4,10 +4,13 @@ opsd/vllm_server.py's (a new engine is a class there and a branch here)."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import torch
 
+from opsd.config import resolve_engine
+from opsd.distributed import rank_world
 from opsd.errors import UserError
 from opsd.precision import dtype_name
 from opsd.rollout import HFEngine, RolloutEngine, VLLMEngine
@@ -38,9 +41,12 @@ def make_engine(
     the float32 of master weights); `autocast_dtype` makes the HF engine generate under autocast.
     `ranks`: this process's place among the trainer's ranks (one engine per rank under torchrun).
     """
-    if rollout.engine == "hf":
+    name, why = resolve_engine(rollout.engine)
+    if rank_world()[0] == 0:
+        print(f"rollout engine: {name} ({why})", file=sys.stderr)
+    if name == "hf":
         return HFEngine(model, tokenizer, batch_size=rollout.batch_size, autocast_dtype=autocast_dtype)
-    if rollout.engine == "vllm":
+    if name == "vllm":
         max_len = rollout.max_model_len
         if max_len is None and max_prompt_len is not None:
             max_len = max_prompt_len + rollout.max_new_tokens
@@ -61,7 +67,7 @@ def make_engine(
             world_size=ranks.world_size if ranks is not None else None,
             device=ranks.device if ranks is not None else None,
         )
-    if rollout.engine == "vllm_server":
+    if name == "vllm_server":
         return VLLMServerEngine(
             model,
             tokenizer,

@@ -65,6 +65,7 @@ def make_cfg(assets: dict, run_dir: Path, **over) -> Config:
         "data.max_prompt_len=256",
         "loss.clip_mode=none",
         "model.dtype=float32",
+        "rollout.engine=hf",  # auto would pick vLLM where it is installed
     ]
     return load_config(None, base + [f"{k}={v}" for k, v in over.items()])
 

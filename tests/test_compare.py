@@ -48,6 +48,7 @@ def _overrides(assets) -> list[str]:
         "eval.divergence=true",
         "grpo.grader=test_regression:letter_e_reward",
         "logging.sample_every=0",
+        "rollout.engine=hf",
     ]
 
 

@@ -77,3 +77,24 @@ def test_missing_data_path_and_file_errors(tmp_path):
     bad.write_text("loss: [unclosed")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_rollout_engine_auto_is_vllm_where_installed(monkeypatch):
+    """One resolver for `auto`: vLLM (colocated) where it is installed, the HF engine otherwise; the
+    log-prob check follows the engine that runs."""
+    import importlib.util
+
+    from opsd.config import RolloutConfig, resolve_engine
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    assert resolve_engine("auto")[0] == "hf" and "not installed" in resolve_engine("auto")[1]
+    assert not RolloutConfig(engine="auto", temperature=1.0).checks_logprobs()
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a)
+    )
+    assert resolve_engine("auto") == ("vllm", "rollout.engine=auto: vLLM is installed")
+    assert RolloutConfig(engine="auto", temperature=1.0).checks_logprobs()
+    assert resolve_engine("hf")[0] == "hf"

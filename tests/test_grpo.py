@@ -94,6 +94,7 @@ def _grpo_cfg(tmp_path, model, data, *extra):
             f"data.path={data}",
             f"logging.run_dir={tmp_path / 'run'}",
             "objective=grpo",
+            "rollout.engine=hf",
             "data.solution_key=null",
             "model.lora.r=4",
             "model.lora.alpha=8",

@@ -106,6 +106,7 @@ def train_overrides(
         "data.max_teacher_prompt_len=160",
         f"rollout.prompts_per_step={s.prompts_per_step}",
         "rollout.n=1",
+        "rollout.engine=hf",  # a character-level model of 0.36M parameters: HF generate is enough
         f"rollout.temperature={s.temperature}",
         f"rollout.max_new_tokens={task.max_response_tokens(s.digits)}",
         "rollout.batch_size=256",
