@@ -74,6 +74,7 @@ class GRPOSettings:
     def overrides(self, budget: Budget) -> list[str]:
         return [
             "objective=grpo",
+            "grpo.distill_coef=0",
             f"optim.lr={self.lr}",
             f"rollout.temperature={self.temperature}",
             f"rollout.n={self.n}",
@@ -107,11 +108,11 @@ class MethodRun:
 def method_overrides(method: str, grpo: GRPOSettings, distill_coef: float, budget: Budget) -> list[str]:
     """What a trainer method changes in the user's config."""
     if method == "opsd":
-        return []
+        return ["objective=opsd"]
     if method == "control_a":
-        return ["teacher.privileged=false"]
+        return ["objective=opsd", "teacher.privileged=false"]
     if method == "control_b":
-        return ["teacher.solution_source=other"]
+        return ["objective=opsd", "teacher.solution_source=other"]
     if method == "grpo":
         return grpo.overrides(budget)
     if method == "mixed":
@@ -183,17 +184,22 @@ def run_trainer_method(
         if not run.points:
             run.points.append(base or _evaluate(trainer, 0, 0, 0.0))
         while True:
-            if run.final.step < trainer.step_num:  # trained (or resumed) past the last evaluation
+            on_grid = trainer.step_num % budget.eval_every == 0 or trainer.step_num == budget.steps
+            if run.final.step < trainer.step_num and on_grid:  # trained (or resumed) to an evaluation
                 tokens, seconds = _spent(run_dir / "metrics.jsonl", per_step)
                 run.points.append(_evaluate(trainer, trainer.step_num, tokens, seconds))
                 _write_points(log, run.points)
                 _say(progress, f"seed {seed} {method} step {trainer.step_num}: {_point_text(run.final)}")
             if trainer.step_num >= budget.steps:
                 break
-            until = min(budget.steps, trainer.step_num + budget.eval_every)
+            # The next evaluation on the grid (a resume after a signal may stand between two).
+            until = min(budget.steps, (trainer.step_num // budget.eval_every + 1) * budget.eval_every)
             trainer.train(until_step=until)
             if trainer.step_num < until:  # a signal: the trainer saved a checkpoint and returned
-                raise KeyboardInterrupt(f"stopped {method} seed {seed} at step {trainer.step_num}")
+                raise UserError(
+                    f"stopped {method} seed {seed} at step {trainer.step_num}; run the same command "
+                    "again to resume"
+                )
     finally:
         trainer.close()
     run.finished = True
@@ -264,12 +270,14 @@ def run_sft_method(
         if step % budget.eval_every and step != budget.steps:
             return
         clock["train"] += time.time() - clock["since"]
+        trainer.engine.sync_weights(trainer.model)  # SFT trained the model in place; a vLLM engine copies
         run.points.append(_evaluate(trainer, step, 0, clock["train"]))
         _say(progress, f"seed {seed} sft step {step}: {_point_text(run.final)}")
         clock["since"] = time.time()
 
     try:
         run.points.append(base or _evaluate(trainer, 0, 0, 0.0))
+        clock["since"] = time.time()  # training time: the base evaluation is not SFT's
         torch.manual_seed(seed)
         sft(
             trainer.model,
@@ -442,8 +450,9 @@ def run_tune(
     tried = [json.loads(x) for x in tried_path.read_text().splitlines()] if tried_path.is_file() else []
     results = []
     for i, setting in enumerate(tune_grid(cfg, budget, lr)):
-        done = [t for t in tried if t["setting"] == asdict(setting) and t["seeds"] == tune_seeds]
-        if done and done[0]["steps"] == steps:
+        key = (asdict(setting), tune_seeds, steps)
+        done = [t for t in tried if (t["setting"], t["seeds"], t["steps"]) == key]
+        if done:
             results.append(done[0])
             continue
         rewards = []
@@ -468,6 +477,8 @@ def run_tune(
                 history = trainer.train()
             finally:
                 trainer.close()
+            if trainer.stopped or len(history) < steps:
+                raise UserError(f"tuning stopped at setting {i}, seed {seed}; run it again to continue")
             rewards.append([rec["reward_mean"] for rec in history])
             flat.append(sum(rec["flat_group_frac"] for rec in history) / len(history))
         late = [sum(r[len(r) // 2 :]) / len(r[len(r) // 2 :]) for r in rewards]

@@ -100,12 +100,12 @@ class RolloutConfig(_Section):
     # vllm_server: `opsd serve` URLs; prompt i goes to server i mod S. The weights reach them through
     # sync_dir (a directory every server can read); OPSD_VLLM_API_KEY is sent if set.
     servers: list[str] = []
-    sync_dir: str = "runs/opsd-weights"
+    sync_dir: str | None = None  # None: logging.run_dir/weights-sync (one per run: syncs never collide)
     weight_sync: Literal["disk", "nccl"] = "disk"
     server_timeout_s: float = Field(600.0, gt=0)
     # The largest |log-prob| difference a sync's probe accepts between server and trainer (float32 on
     # both: ~1e-6; use ~0.1 for bf16 servers, whose logits round at 2^-8).
-    sync_tolerance: float = Field(1e-3, gt=0)
+    sync_tolerance: float | None = Field(None, gt=0)  # None: 1e-3 for a float32 trainer, 0.1 for bf16
     # vllm_server: 1 requests the next step's rollouts before this step trains (one step off-policy:
     # they come from the weights before this step's update); metric policy_lag.
     overlap: Literal[0, 1] = 0
@@ -198,6 +198,13 @@ class GRPOConfig(_Section):
     # Truncated importance sampling: each token's policy-gradient weight times min(S(y) / engine's
     # S(y), tis_cap), where the engine reports log-probs (vLLM; a lag with rollout.overlap). 0: off.
     tis_cap: float = Field(2.0, ge=0)
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _tis_cap(cls, v: float) -> float:
+        if 0 < v < 1:
+            raise ValueError("must be 0 (off) or >= 1: a cap below 1 scales every gradient down")
+        return v
 
 
 class OptimConfig(_Section):
@@ -307,6 +314,14 @@ class Config(_Section):
         r = self.rollout
         if r.overlap and r.engine != "vllm_server":
             raise ValueError("rollout.overlap=1 needs rollout.engine=vllm_server (separate servers)")
+        if r.overlap and self.objective == "grpo" and self.grpo.tis_cap and not r.checks_logprobs():
+            raise ValueError(
+                "rollout.overlap=1 with objective=grpo corrects the lag from the engine's log-probs, "
+                "which need rollout.temperature > 0, top_k=0 and top_p=1 (or set grpo.tis_cap=0 to "
+                "train uncorrected)"
+            )
+        if self.eval.divergence and not self.eval.path:
+            raise ValueError("eval.divergence=true needs eval.path (held-out problems with solutions)")
         if r.engine == "vllm_server" and not r.servers:
             raise ValueError("rollout.engine=vllm_server needs rollout.servers: [http://HOST:PORT, ...]")
         bad = [s for s in r.servers if not s.startswith(("http://", "https://"))]

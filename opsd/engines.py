@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,7 @@ def make_engine(
     compute_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
     ranks: Dist | None = None,
+    run_dir: str | None = None,
 ) -> RolloutEngine:
     """The engine the rollout config asks for, on `model` (the trainer's live model object).
 
@@ -72,10 +74,11 @@ def make_engine(
             model,
             tokenizer,
             rollout.servers,
-            sync_dir=rollout.sync_dir,
+            sync_dir=rollout.sync_dir or str(Path(run_dir or ".") / "weights-sync"),
             timeout_s=rollout.server_timeout_s,
             api_key=os.environ.get("OPSD_VLLM_API_KEY") or None,
             sync_tolerance=rollout.sync_tolerance,
             transport=rollout.weight_sync,
+            compute_dtype=compute_dtype,
         )
     raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm', 'vllm_server']")

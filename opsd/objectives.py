@@ -140,7 +140,9 @@ class GRPO:
         per_token = [
             scores.advantages[i] for i, n in zip(mb.sample_indices, mb.response_lens) for _ in range(n)
         ]
-        coef = mb.weights * mb.weights.new_tensor(per_token)
+        # A zero-weight padding micro-batch (torchrun: as many on every rank) has one dummy row.
+        adv = mb.weights.new_tensor(per_token) if mb.sample_indices else torch.zeros_like(mb.weights)
+        coef = mb.weights * adv
         t = self.distill.sampling_temperature
         mine = None
         if self.tis_cap and mb.rollout_logprobs is not None:

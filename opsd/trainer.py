@@ -196,6 +196,7 @@ class Trainer:
                 compute_dtype=self.precision.compute,
                 autocast_dtype=amp,
                 ranks=self.dist,
+                run_dir=cfg.logging.run_dir,
             ),
             "rollout engine start",
         )
@@ -396,19 +397,32 @@ class Trainer:
 
         With ``rollout.overlap`` the responses were requested one step ago, before the last update,
         and the next step's are requested now, so the servers sample them while this step trains."""
-        if not self.cfg.rollout.overlap:
+        # (A batch restored from an overlapping run's checkpoint is used even with overlap off.)
+        if not self.cfg.rollout.overlap and self.pending is None:
             ex_idx, prompts = self.draw()
             with timer("rollout"):
-                return ex_idx, prompts, self.rollout([student for student, _ in prompts]), 0.0
+                completions = self.engine_call(lambda: self.rollout([s for s, _ in prompts]))
+            return ex_idx, prompts, completions, 0.0
         pending, lag = self.pending, 1.0
         if pending is None:  # the first step, or a resume without one: nothing was requested ahead
             pending, lag = self.request(self.step_num), 0.0
         with timer("rollout"):
-            completions = self.collect(pending)
-        self.pending = (
-            self.request(self.step_num + 1) if self.step_num + 1 < self.cfg.optim.max_steps else None
-        )
+            completions = self.engine_call(lambda: self.collect(pending))
+        ahead = self.cfg.rollout.overlap and self.step_num + 1 < self.cfg.optim.max_steps
+        self.pending = self.request(self.step_num + 1) if ahead else None
         return pending.example_indices, pending.prompts, completions, lag
+
+    def engine_call(self, fn):
+        """``fn()`` on every rank, agreeing on its outcome: an engine failing on one rank (a server
+        down) stops every rank with its message, not only that one while the others wait."""
+        try:
+            result, err = fn(), None
+        except EngineError as e:
+            result, err = None, e
+        found = distributed.first_error(err)
+        if found is not None:
+            raise err if err is not None else EngineError(f"rank {found[0]}: {found[1]}")
+        return result
 
     def draw(self) -> tuple[list[int], list]:
         ex_idx = self.cursor.next_indices(self.prompts_per_rank)
@@ -527,7 +541,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.pending is not None:  # every rollout requested ahead is sampled before the weights move
-            self.collect(self.pending)
+            pending = self.pending
+            self.engine_call(lambda: self.collect(pending))
         if finite:
             self.teacher.update()
             self.engine.sync_weights(self.model)
@@ -705,8 +720,18 @@ class Trainer:
             out["eval/divergence"] = self.heldout_divergence()["divergence"]
         return out
 
-    @torch.no_grad()
     def heldout_divergence(self) -> dict:
+        """:meth:`_heldout_divergence` with the model in eval mode: no dropout in a metric, and no
+        draws from the training RNG."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            return self._heldout_divergence()
+        finally:
+            self.model.train(training)
+
+    @torch.no_grad()
+    def _heldout_divergence(self) -> dict:
         """The distillation loss's statistics on the held-out problems for the current student: one
         sampled response per problem (the rollout's settings, one seed for every evaluation), scored by
         the teacher with the held-out solutions as a training step scores it, with no gradient. Where

@@ -21,6 +21,7 @@ source and what each endpoint does and does not guard.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shlex
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opsd.distributed import rank_world, run_setup
+from opsd.distributed import first_error, rank_world
 from opsd.errors import UserError
 from opsd.rollout import Completion, EngineError, SamplingParams, _check_prompts, _stop_ids
 
@@ -60,8 +61,9 @@ class VLLMServerEngine:
         sync_dir: str,
         timeout_s: float = 600.0,
         api_key: str | None = None,
-        sync_tolerance: float = 1e-3,
+        sync_tolerance: float | None = None,
         transport: str = "disk",
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if transport != "disk":
             raise UserError(
@@ -76,13 +78,16 @@ class VLLMServerEngine:
         self.sync_dir = Path(sync_dir)
         self.timeout_s = timeout_s
         self.api_key = api_key
-        self.sync_tolerance = sync_tolerance
+        # float32 (or wider) on the trainer's side: both sides compute the same float32 logits, ~1e-6
+        # apart; a bf16 trainer rounds its logits at 2^-8 relative, so ~0.1 is the level of noise.
+        wide = compute_dtype in (None, torch.float32, torch.float64)
+        self.sync_tolerance = sync_tolerance or (1e-3 if wide else 0.1)
         self.rank, self.world = rank_world()
         self.syncs = 0
         self._background = ThreadPoolExecutor(max_workers=1)  # submit(): one rollout batch ahead
         self.last_probe_gap: float | None = None
-        # Down at start is a user error (one line naming the server); the model each serves is asked once.
-        self.model_names = [self._model_name(s) for s in self.servers]
+        # Down at start is a user error (one line naming the server); rank 0 asks each for its model.
+        self.model_names = self._on_rank0(lambda: [self._model_name(s) for s in self.servers], user=True)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
         if self.rank == 0:
@@ -113,22 +118,35 @@ class VLLMServerEngine:
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
                 raw = resp.read()
+            return json.loads(raw) if raw.strip() else None
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:300].replace("\n", " ")
             raise ServerError(
                 f"rollout server {server} answered {path} with HTTP {e.code}: {detail}"
             ) from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        except (
+            urllib.error.URLError,
+            TimeoutError,
+            ConnectionError,
+            OSError,
+            http.client.HTTPException,
+        ) as e:
             reason = getattr(e, "reason", e)
             raise ServerError(f"rollout server {server} did not answer {path}: {reason}") from None
-        return json.loads(raw) if raw.strip() else None
+        except ValueError as e:  # not JSON: not a vLLM server
+            raise ServerError(
+                f"rollout server {server} answered {path} with something not JSON: {e}"
+            ) from None
 
     def _model_name(self, server: str) -> str:
         try:
             listing = self._get(server, "/v1/models")
         except ServerError as e:
             raise UserError(f"{e}; start it with `opsd serve MODEL` or fix rollout.servers") from None
-        return listing["data"][0]["id"]
+        try:
+            return listing["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise UserError(f"{server}/v1/models lists no model: is it `opsd serve`?") from None
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -177,6 +195,8 @@ class VLLMServerEngine:
             "skip_special_tokens": False,
         }
         out = self._post(self.servers[s], "/v1/completions", body)
+        if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
+            raise ServerError(f"rollout server {self.servers[s]} answered /v1/completions without choices")
         return [self._completion(i, c, self.servers[s]) for c in sorted(out["choices"], key=_index)]
 
     @staticmethod
@@ -189,6 +209,8 @@ class VLLMServerEngine:
                 f"rollout server {server} returned {len(lps)} log-probs for {len(toks)} tokens, "
                 f"finish_reason {reason!r} (prompt {i}); is it `opsd serve` (vLLM 0.32, token ids on)?"
             )
+        if any(x is None for x in lps):
+            raise ServerError(f"rollout server {server} returned a missing log-prob (prompt {i})")
         return Completion(i, toks, [float(x) for x in lps], reason)
 
     # -- weights -------------------------------------------------------------------------------
@@ -204,9 +226,44 @@ class VLLMServerEngine:
         tmp = self.sync_dir / f".step-{self.syncs:06d}.tmp"
         if self.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
-        write_merged(model, self.tokenizer, tmp)  # collective: every rank gathers, rank 0 writes
-        run_setup(lambda: self._reload(tmp, final), "rollout weight sync")
+
+        def write_and_reload() -> None:
+            try:
+                write_merged(model, self.tokenizer, tmp)  # collective: every rank gathers, rank 0 writes
+            except OSError as e:
+                raise ServerError(
+                    f"writing the weights for the rollout servers to {tmp} failed: {e}"
+                ) from None
+            self._reload(tmp, final)
+
+        self._agree(write_and_reload)
         self._probe(model)
+
+    def _agree(self, fn) -> None:
+        """Every rank runs ``fn`` and every rank raises if any failed (no rank left in a collective)."""
+        try:
+            fn()
+            err = None
+        except ServerError as e:
+            err = e
+        found = first_error(err)
+        if found is not None:
+            raise err if err is not None else ServerError(f"rank {found[0]}: {found[1]}")
+
+    def _on_rank0(self, fn, user: bool = False) -> Any:
+        """``fn()`` on rank 0 only (HTTP to the servers), its result or its failure sent to every rank."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box = [("ok", fn())]
+            except (ServerError, UserError) as e:
+                box = [("err", str(e))]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "err":
+            raise UserError(value) if user else ServerError(value)
+        return value
 
     def _reload(self, tmp: Path, final: Path) -> None:
         if self.rank != 0:
@@ -216,10 +273,12 @@ class VLLMServerEngine:
         os.replace(tmp, final)
         for server in self.servers:
             self._post(server, "/pause?mode=wait")
-            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(final.resolve())}}
-            self._post(server, "/collective_rpc", rpc)
-            self._post(server, "/reset_prefix_cache")
-            self._post(server, "/resume")
+            try:
+                rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(final.resolve())}}
+                self._post(server, "/collective_rpc", rpc)
+                self._post(server, "/reset_prefix_cache")
+            finally:  # a failed reload must not leave the server paused for the next run
+                self._post(server, "/resume")
         for old in self.sync_dir.glob("step-*"):  # the servers read the newest; older ones can go
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
@@ -234,12 +293,12 @@ class VLLMServerEngine:
         prompt = self.tokenizer("The weights were synchronised.", add_special_tokens=False).input_ids
         # Plain sampling at T=1 (no top-k/top-p, no masked stop tokens): the log-probs are comparable.
         params = SamplingParams(temperature=1.0, max_new_tokens=PROBE_TOKENS)
-        probes: list[Any] = [None]
-        if self.rank == 0:
+
+        def sample() -> list:
             done = [self._complete(s, 0, prompt, 1, params, 1234)[0] for s in range(len(self.servers))]
-            probes = [[(s, (c.token_ids, c.logprobs)) for s, c in enumerate(done)]]
-        if self.world > 1:
-            dist.broadcast_object_list(probes, src=0)
+            return [(s, (c.token_ids, c.logprobs)) for s, c in enumerate(done)]
+
+        probes = [self._on_rank0(sample)]
         device = next(model.parameters()).device
         training = model.training
         model.eval()  # no dropout: the server has none
@@ -271,7 +330,7 @@ class VLLMServerEngine:
         pass
 
     def close(self) -> None:
-        self._background.shutdown(wait=True)
+        self._background.shutdown(wait=True, cancel_futures=True)
 
 
 def _index(choice: dict) -> int:

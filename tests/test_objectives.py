@@ -154,3 +154,19 @@ def test_truncated_importance_sampling_scales_the_policy_gradient(shift, expecte
     assert math.isclose(scaled[0], expected * plain[0], rel_tol=1e-12)
     for i in (1, 2):
         torch.testing.assert_close(scaled[i], expected * plain[i], rtol=1e-12, atol=1e-15)
+
+
+def test_grpo_on_a_zero_weight_padding_micro_batch_adds_nothing():
+    """Under torchrun a rank with fewer micro-batches runs zero-weight padding ones (one dummy row,
+    no samples): GRPO's loss there is exactly 0 with a zero gradient, not a shape error."""
+    from opsd.data.batching import zero_weight_microbatch
+
+    mb = zero_weight_microbatch(0, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    head = torch.randn(11, 4, generator=gen, dtype=torch.float64)
+    hidden = torch.randn(1, 4, generator=gen, dtype=torch.float64)
+    distill = Distillation(DistillSpec(), chunk_size=4, sampling_temperature=1.0)
+    loss, grad_h, _ = _grads(
+        GRPO(lambda r, a: 0.0, False, 1.0, 4, distill), hidden, None, head, mb, Scores([])
+    )
+    assert loss == 0.0 and torch.count_nonzero(grad_h) == 0
