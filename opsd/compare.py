@@ -177,6 +177,7 @@ def run_trainer_method(
     # Resume only what has its base evaluation; anything else in the run directory starts over.
     resume = latest_checkpoint(run_dir) is not None and bool(_read_points(log))
     trainer = Trainer(cfg, resume=resume, overwrite=not resume)
+    trainer.progress_desc = f"{method} seed {seed}"
     run = MethodRun(method, seed, lr=cfg.optim.lr)
     run.points = [p for p in _read_points(log) if p.step <= trainer.step_num] if resume else []
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.n

@@ -217,6 +217,7 @@ class Trainer:
         self.bad_steps = 0
         self.stop = GracefulStop()
         self.pending: Pending | None = None  # rollout.overlap: the next step's rollouts, in flight
+        self.progress_desc = "opsd train"  # the progress bar's label (opsd compare: method and seed)
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
         self.metrics = distributed.run_setup(lambda: self._start(resume), "run directory setup")
@@ -611,7 +612,7 @@ class Trainer:
         bar = tqdm(
             total=cfg.optim.max_steps,
             initial=self.step_num,
-            desc="opsd train",
+            desc=self.progress_desc,
             unit="step",
             disable=not cfg.logging.progress or self.rank != 0,
             dynamic_ncols=True,
