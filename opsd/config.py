@@ -102,6 +102,10 @@ class RolloutConfig(_Section):
     servers: list[str] = []
     sync_dir: str | None = None  # None: logging.run_dir/weights-sync (one per run: syncs never collide)
     weight_sync: Literal["disk", "nccl"] = "disk"
+    # nccl (GPU; written against vLLM 0.32, not executed here): where trainer rank 0 listens for each
+    # server's NCCL group (HOST:PORT, default 127.0.0.1:29600+i), and each server's tensor-parallel size.
+    nccl_endpoints: list[str] = []
+    server_tensor_parallel_size: int = Field(1, ge=1)
     server_timeout_s: float = Field(600.0, gt=0)
     # The largest |log-prob| difference a sync's probe accepts between server and trainer (float32 on
     # both: ~1e-6; use ~0.1 for bf16 servers, whose logits round at 2^-8).

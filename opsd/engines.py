@@ -80,5 +80,7 @@ def make_engine(
             sync_tolerance=rollout.sync_tolerance,
             transport=rollout.weight_sync,
             compute_dtype=compute_dtype,
+            nccl_endpoints=rollout.nccl_endpoints or None,
+            server_world_size=rollout.server_tensor_parallel_size,
         )
     raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm', 'vllm_server']")

@@ -362,6 +362,13 @@ def merged_weight_names(model: nn.Module) -> list[str]:
     return [name for _, name in _weight_keys(model)]
 
 
+def merged_weight_meta(model: nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(HF name, dtype, full shape) of what :func:`merged_weights` yields, gathering nothing (a
+    sharded tensor reports its global shape)."""
+    state = model.state_dict()
+    return [(name, state[key].dtype, tuple(state[key].shape)) for key, name in _weight_keys(model)]
+
+
 @torch.no_grad()
 def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """The weights with the active LoRA deltas folded in (``W + scale * B @ A``), under HF names,

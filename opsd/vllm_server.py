@@ -64,12 +64,13 @@ class VLLMServerEngine:
         sync_tolerance: float | None = None,
         transport: str = "disk",
         compute_dtype: torch.dtype | None = None,
+        nccl_endpoints: list[str] | None = None,
+        server_world_size: int = 1,
     ) -> None:
-        if transport != "disk":
-            raise UserError(
-                f"rollout.weight_sync={transport!r}: only 'disk' is built; vLLM's NCCL weight transfer "
-                "needs CUDA and NCCL on both sides and is not wired into opsd yet (docs/vllm.md)"
-            )
+        if transport == "nccl":
+            check_nccl()
+        elif transport != "disk":
+            raise UserError(f"rollout.weight_sync={transport!r}: expected disk or nccl")
         if not servers:
             raise UserError("rollout.engine=vllm_server needs rollout.servers: [http://HOST:PORT, ...]")
         self.model = model
@@ -84,6 +85,10 @@ class VLLMServerEngine:
         self.sync_tolerance = sync_tolerance or (1e-3 if wide else 0.1)
         self.rank, self.world = rank_world()
         self.syncs = 0
+        self.transport = transport
+        self._nccl: list[Any] | None = None  # vLLM's trainer-side NCCL engines, one per server, lazily
+        self.nccl_endpoints = nccl_endpoints or [f"127.0.0.1:{29600 + i}" for i in range(len(servers))]
+        self.server_world_size = server_world_size
         self._background = ThreadPoolExecutor(max_workers=1)  # submit(): one rollout batch ahead
         self.last_probe_gap: float | None = None
         # Down at start is a user error (one line naming the server); rank 0 asks each for its model.
@@ -222,6 +227,10 @@ class VLLMServerEngine:
 
         self.model = model
         self.syncs += 1
+        if self.transport == "nccl":
+            self._agree(lambda: self._send_nccl(model))
+            self._probe(model)
+            return
         final = self.sync_dir / f"step-{self.syncs:06d}"
         tmp = self.sync_dir / f".step-{self.syncs:06d}.tmp"
         if self.rank == 0 and tmp.exists():
@@ -238,6 +247,38 @@ class VLLMServerEngine:
 
         self._agree(write_and_reload)
         self._probe(model)
+
+    def _send_nccl(self, model) -> None:
+        """NOT EXECUTED (no GPU here): vLLM 0.32's own trainer-side NCCL engine, one group per server
+        (this trainer's rank 0 is NCCL rank 0, the server's workers follow), over the merged weights.
+        Every rank iterates the source (FSDP gathers); only rank 0 broadcasts and drives the server."""
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.nccl_engine import (
+            NCCLTrainerInitInfo,
+            NCCLTrainerWeightTransferEngine,
+        )
+
+        if self._nccl is None:
+            self._nccl = []
+            for server, endpoint in zip(self.servers, self.nccl_endpoints):
+                host, _, port = endpoint.rpartition(":")
+                info = NCCLTrainerInitInfo(
+                    master_address=host,
+                    master_port=int(port),
+                    world_size=1 + self.server_world_size,
+                    rank=self.rank,
+                )
+                client = HTTPVLLMWeightSyncClient(server, timeout=self.timeout_s)
+                source = merged_weight_source(model)
+                self._nccl.append(
+                    NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+                )
+        for engine in self._nccl:
+            engine.source = merged_weight_source(model)
+            engine.send_weights()
+        if self.rank == 0:
+            for server in self.servers:
+                self._post(server, "/reset_prefix_cache")
 
     def _agree(self, fn) -> None:
         """Every rank runs ``fn`` and every rank raises if any failed (no rank left in a collective)."""
@@ -333,6 +374,46 @@ class VLLMServerEngine:
         self._background.shutdown(wait=True, cancel_futures=True)
 
 
+def check_nccl() -> None:
+    """The NCCL transport needs CUDA, NCCL and vLLM on the trainer's side: with no libnccl vLLM's
+    communicator disables itself and a broadcast returns without sending (an update that reports
+    success while the server keeps its weights), so refuse instead."""
+    import importlib.util
+
+    missing = [
+        what
+        for what, ok in (
+            ("CUDA", torch.cuda.is_available()),
+            ("NCCL", dist.is_available() and dist.is_nccl_available()),
+            ("vLLM in the trainer's environment", importlib.util.find_spec("vllm") is not None),
+        )
+        if not ok
+    ]
+    if missing:
+        raise UserError(
+            f"rollout.weight_sync=nccl needs {', '.join(missing)} on this machine; use "
+            "rollout.weight_sync=disk (any machine)"
+        )
+
+
+def merged_weight_source(model):
+    """vLLM's ``WeightSource`` over the merged weights (LoRA folded in out of place, HF names, full
+    tensors gathered one at a time): what the NCCL engine sends. Needs vLLM."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource, materialize_full_tensor
+
+    from opsd.models import merged_weight_meta, merged_weights
+
+    class MergedSource(WeightSource):
+        def metadata(self) -> list:
+            return [ParamMeta(name, dtype, shape) for name, dtype, shape in merged_weight_meta(model)]
+
+        def __iter__(self):
+            for name, tensor in merged_weights(model):
+                yield name, materialize_full_tensor(tensor)
+
+    return MergedSource()
+
+
 def _index(choice: dict) -> int:
     return int(choice.get("index", 0))
 
@@ -363,6 +444,8 @@ def serve_command(args: argparse.Namespace) -> list[str]:
         cmd.append("--enforce-eager")  # on CPU a compiled graph may keep stale prepacked weights
     if args.api_key:
         cmd += ["--api-key", args.api_key]
+    if args.weight_transfer == "nccl":  # vLLM's weight-transfer endpoints, for rollout.weight_sync=nccl
+        cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     return cmd + shlex.split(args.vllm_args or "")
 
 
@@ -377,6 +460,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="vLLM's dtype: float32 (default), bfloat16, float16")
     p.add_argument("--api-key", help="guards /v1/* only; /collective_rpc, /pause, /resume stay open")
     p.add_argument("--python", default=sys.executable, help="the Python whose environment has vLLM")
+    p.add_argument(
+        "--weight-transfer",
+        choices=["disk", "nccl"],
+        default="disk",
+        help="nccl: enable vLLM's NCCL weight transfer (GPU only; rollout.weight_sync=nccl)",
+    )
     p.add_argument(
         "--vllm-args", help='more `vllm serve` flags, as one string: --vllm-args="--max-model-len 4096"'
     )

@@ -186,7 +186,7 @@ def test_a_server_that_keeps_old_weights_stops_the_run(assets, tmp_path, server)
 
 
 def test_nccl_is_refused_where_it_cannot_work(assets, tmp_path, server):
-    with pytest.raises(UserError, match="only 'disk' is built"):
+    with pytest.raises(UserError, match="weight_sync=nccl needs CUDA"):
         Trainer(_cfg(assets, tmp_path, [server.url], **{"rollout.weight_sync": "nccl"}))
 
 
