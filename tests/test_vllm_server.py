@@ -236,3 +236,24 @@ def test_overlap_resumes_exactly_with_the_batch_in_flight(assets, tmp_path, serv
 def test_overlap_needs_a_server_engine(assets, tmp_path):
     with pytest.raises(UserError, match="overlap=1 needs rollout.engine=vllm_server"):
         make_cfg(assets, tmp_path / "r", **{"rollout.overlap": 1})
+
+
+def _fleet_worker(d, paths: dict, root: str, url: str) -> None:
+    """One of two gloo ranks training through the same server: each rank sends its own prompts, only
+    rank 0 writes and reloads the weights, and every rank waits for the sync (and its probe)."""
+    tr = Trainer(_cfg(paths, Path(root), [url], **{"optim.max_steps": 2}), dist=d)
+    history = tr.train()
+    tr.close()
+    assert [rec["step"] for rec in history] == [1, 2]
+    assert all(rec["logprob_gap"] < 1e-4 for rec in history)
+
+
+@pytest.mark.slow
+def test_two_ranks_share_a_server_and_wait_for_each_sync(assets, tmp_path, server):
+    from helpers import spawn
+
+    server.calls.clear()
+    spawn(_fleet_worker, assets, str(tmp_path), server.url)
+    assert server.calls.count("/collective_rpc") == 2  # rank 0 alone reloads, once a step
+    assert server.calls.count("/pause") == server.calls.count("/resume") == 2
+    assert [p.name for p in (tmp_path / "weights").iterdir()] == ["step-000002"]
