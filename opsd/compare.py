@@ -574,7 +574,7 @@ def format_table(result: dict) -> str:
         acc = _spread([p["accuracy"] for p in final])
         lines.append(
             f"| {METHODS[m]} | {acc} | {100 * sum(gains) / len(gains):+.1f} | {div} | {tokens:,.0f} "
-            f"| {secs:.0f} s | {rate:g} |"
+            f"| {secs:.0f} s | {rate:.3g} |"
         )
     base = [r["points"][0]["accuracy"] for r in result["runs"]]
     b = result["budget"]
