@@ -651,6 +651,12 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_compare_command(args: argparse.Namespace) -> int:
+    from opsd.distributed import launched_by_torchrun
+
+    if launched_by_torchrun():
+        raise UserError(
+            "opsd compare runs its methods one after another in one process; launch it without torchrun"
+        )
     if args.config is None:
         raise UserError("--config is required (the `opsd train` config of the comparison)")
     for name in ("steps", "eval_every", "tune_steps"):

@@ -46,6 +46,9 @@ def resolve_device(setting: str, *, local_rank: int | None = None) -> torch.devi
     if setting == "cpu" or (setting == "auto" and not cuda):
         return torch.device("cpu")
     if local_rank is None:
+        index = int(setting.split(":")[1]) if ":" in setting else 0
+        if index >= torch.cuda.device_count():
+            raise UserError(f"device={setting}: only {torch.cuda.device_count()} CUDA devices are visible")
         return torch.device("cuda" if setting == "auto" else setting)
     if setting.startswith("cuda:"):
         raise UserError(
