@@ -119,7 +119,8 @@ def serve_tps(path, model, tok, prompts, args) -> tuple[dict[int, Timing], float
     port = 8765
     cmd = [sys.executable, "-m", "opsd", "serve", str(path), "--port", str(port)]
     cmd.append("--vllm-args=--kv-cache-memory-bytes 1073741824")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = open(Path(tempfile.gettempdir()) / "opsd_serve_bench.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     try:

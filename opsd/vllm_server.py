@@ -442,6 +442,10 @@ def serve_command(args: argparse.Namespace) -> list[str]:
     ]
     if not torch.cuda.is_available():
         cmd.append("--enforce-eager")  # on CPU a compiled graph may keep stale prepacked weights
+        # vLLM 0.32's CPU runner rewinds a seeded request's generator when a chunked prefill discards
+        # a sample (gpu_model_runner._bookkeeping_sync: gen.set_offset), which CPU generators do not
+        # support: the engine dies. Whole prefills never rewind.
+        cmd.append("--no-enable-chunked-prefill")
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     if args.weight_transfer == "nccl":  # vLLM's weight-transfer endpoints, for rollout.weight_sync=nccl
