@@ -307,9 +307,9 @@ def _demo_arm(arm: str, s) -> list[str]:
 
 def test_arms_differ_from_opsd_only_where_they_say():
     s = base.DemoSettings()
-    assert _demo_arm("opsd", s) == []
-    assert _demo_arm("control_a", s) == ["teacher.privileged=false"]
-    assert _demo_arm("control_b", s) == ["teacher.solution_source=other"]
+    assert _demo_arm("opsd", s) == ["objective=opsd"]  # whatever the config says
+    assert _demo_arm("control_a", s) == ["objective=opsd", "teacher.privileged=false"]
+    assert _demo_arm("control_b", s) == ["objective=opsd", "teacher.solution_source=other"]
     grpo = _demo_arm("grpo", s)
     assert "objective=grpo" in grpo
     # as many responses a step as OPSD: 64 problems x 1 = 8 problems x 8 samples

@@ -60,6 +60,7 @@ def test_one_process_on_cuda_n_makes_it_the_current_device(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append(d))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert distributed.init_distributed("cuda:1").device == torch.device("cuda", 1)
     assert seen == [torch.device("cuda", 1)]
     distributed.init_distributed("cuda")  # no index: the current device stays what it is
@@ -231,3 +232,13 @@ def test_gpu_trainer_bench_dry_runs_on_the_cpu():
     assert res.returncode == 0, res.stderr[-3000:]
     for row in ("| lora, 1 process | 3 |", "| full, 1 process | 3 |", "| lora, 2 processes | 3 |"):
         assert row in res.stdout, res.stdout[-3000:]
+
+
+def test_a_cuda_index_beyond_the_visible_gpus_is_one_line(monkeypatch):
+    from opsd.devices import resolve_device
+    from opsd.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(UserError, match="only 1 CUDA devices are visible"):
+        resolve_device("cuda:3")
