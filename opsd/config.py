@@ -7,15 +7,26 @@ combinations that make no sense are rejected with the reason before any model is
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from opsd.data.prompts import DEFAULT_INSTRUCTION, DEFAULT_TEACHER_TEMPLATE
 from opsd.devices import check_device_setting
 from opsd.errors import UserError
 from opsd.loss.spec import CLIP_MODES, MODES, REDUCTIONS, DistillSpec
+
+# A device setting (auto | cpu | cuda | cuda:N), checked where every config declares one.
+DeviceSetting = Annotated[str, AfterValidator(check_device_setting)]
 
 
 class _Section(BaseModel):
@@ -266,7 +277,7 @@ class EvalConfig(_Section):
 
 class Config(_Section):
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: DeviceSetting = "auto"  # auto | cpu | cuda | cuda:N
     objective: Literal["opsd", "grpo"] = "opsd"  # grpo: the RL baseline, same rollouts, data and loss kernel
     grpo: GRPOConfig = GRPOConfig()
     model: ModelConfig = ModelConfig()
@@ -279,11 +290,6 @@ class Config(_Section):
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
     parallel: ParallelConfig = ParallelConfig()
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        return check_device_setting(v)
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:

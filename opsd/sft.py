@@ -16,14 +16,14 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
+from opsd.config import DeviceSetting
 from opsd.data import DEFAULT_INSTRUCTION, student_prompt_ids
 from opsd.data.batching import pad_right, response_positions
-from opsd.devices import check_device_setting
 from opsd.models import final_hidden, head_weight
 from opsd.optim import make_optimizer
 
@@ -150,16 +150,11 @@ class SFTConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (opsd.devices)
+    device: DeviceSetting = "auto"  # auto | cpu | cuda | cuda:N (opsd.devices)
     out: str  # where to save the fine-tuned model (HF format)
     model: SFTModelConfig
     data: SFTDataConfig
     optim: SFTOptimConfig = SFTOptimConfig()
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        return check_device_setting(v)
 
     @model_validator(mode="before")
     @classmethod

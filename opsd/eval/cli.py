@@ -19,8 +19,9 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from opsd.config import DeviceSetting
 from opsd.data import DEFAULT_INSTRUCTION, load_examples
-from opsd.devices import check_device_setting, machine_info, resolve_device
+from opsd.devices import machine_info, resolve_device
 from opsd.errors import UserError
 from opsd.eval.loop import EvalResult, check_settings, evaluate_model
 from opsd.grading import GRADERS, Grader, grade
@@ -253,7 +254,7 @@ class EvalCommandConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N (opsd.devices)
+    device: DeviceSetting = "auto"  # auto | cpu | cuda | cuda:N (opsd.devices)
     k: int = Field(1, ge=1)  # samples per problem (Avg@k, pass@k)
     # opsd.grading.GRADERS: math-verify on the last \\boxed{}, or on its own extraction from the response
     grader: Literal["math", "lenient"] = "math"
@@ -261,11 +262,6 @@ class EvalCommandConfig(BaseModel):
     model: EvalModelConfig
     data: EvalDataConfig
     rollout: EvalRolloutConfig = EvalRolloutConfig()
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        return check_device_setting(v)
 
     @model_validator(mode="before")
     @classmethod
