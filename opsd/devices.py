@@ -106,3 +106,28 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+MMAP_THRESHOLD = 128 << 10  # glibc's own default, fixed instead of left to grow
+
+
+def return_freed_memory() -> bool:
+    """Make glibc serve every allocation of 128 KiB and up from its own mapping, unmapped when freed.
+
+    Why: glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), after
+    which tensors below it come from the heap, where freed holes stay resident. A training step frees
+    and reallocates a gigabyte of activations per micro-batch, so the heap grew step after step:
+    fixing the threshold took a SmolLM2-135M LoRA step's peak RSS from 2.9 to 2.2 GiB
+    (docs/benchmarks.md, "Train step"). Process-wide, for CPU runs; returns whether it applied
+    (False off glibc, e.g. macOS).
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    import ctypes
+
+    m_mmap_threshold = -3  # malloc.h
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD))

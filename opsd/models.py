@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -34,10 +35,12 @@ __all__ = [
     "base_model",
     "check_plain_head",
     "enable_gradient_checkpointing",
+    "frozen_weights_for_cpu",
     "final_hidden",
     "head_weight",
     "load_model",
     "load_tokenizer",
+    "lora_folded",
     "merged_state_dict",
     "merged_weight_names",
     "merged_weights",
@@ -241,6 +244,36 @@ def _float64_rope(
 # --- training setup ---------------------------------------------------------------------------
 
 
+def frozen_weights_for_cpu(*models: nn.Module | None) -> int:
+    """Lays out every frozen ``nn.Linear`` weight column-major on the CPU (the same ``[out, in]``
+    values, stored as the contiguous transpose) and copies every other frozen CPU tensor into the
+    process's own memory. Returns how many weights changed layout.
+
+    Why: ``F.linear`` multiplies by ``W.T``, and MKL's float32 GEMM reads a column-major ``W`` (for
+    which ``W.T`` is contiguous) about twice as fast at the few rows of a decode step, and no slower
+    at a forward's thousands (docs/benchmarks.md, "HF engine"). The values do not change; products
+    may round differently in the last bit, the same for every forward that reads them. Copying also
+    releases the checkpoint's memory map, which would otherwise stay resident beside the copies.
+    Trainable weights keep their layout: their gradients, optimizer state and checkpoints are as before.
+    """
+    seen: set[int] = set()
+    moved = 0
+    for model in models:
+        if model is None:
+            continue
+        linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+        for t in [*model.parameters(), *model.buffers()]:
+            if id(t) in seen or t.requires_grad or t.device.type != "cpu":
+                continue
+            seen.add(id(t))
+            if id(t) in linear and t.dim() == 2:
+                t.data = t.data.t().contiguous().t()
+                moved += 1
+            else:
+                t.data = t.data.clone()
+    return moved
+
+
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute activations in backward; non-reentrant, so frozen inputs and no_grad teachers work."""
     kwargs = {"use_reentrant": False}
@@ -378,7 +411,7 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     unmerge_adapter() round trip adds and subtracts the delta in place, which in bf16 does not give
     back the base weights (the fixed teacher) bit for bit. Each merged matrix is made only when it is
     yielded, so a consumer that drops it before asking for the next (a weight sync into vLLM) never
-    holds more than one; unchanged tensors are the live ones, not copies.
+    holds more than one; unchanged contiguous tensors are the live ones, not copies.
     """
     lora, state = _lora_modules(model), model.state_dict()
     for key, name in _weight_keys(model):
@@ -390,12 +423,50 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
             if getattr(mod, "use_dora", {}).get(adapter, False):
                 raise NotImplementedError(f"{name}: merging a DoRA adapter out of place is not supported")
             value = value + mod.get_delta_weight(adapter).detach().to(value.dtype)
-        yield name, value
+        yield name, value.contiguous()  # a column-major frozen weight (frozen_weights_for_cpu) is copied
+
+
+@contextmanager
+def lora_folded(model: nn.Module, max_bytes: int) -> Iterator[bool]:
+    """Inside: every LoRA-wrapped weight replaced by a new tensor ``W + scale * B @ A`` (what
+    :func:`merged_weights` gives a vLLM engine) and the adapters off, so each projection is one matrix
+    product instead of three; on exit the original tensors are back, untouched. Yields whether it
+    folded: not when the copies would exceed ``max_bytes``, nor for a DoRA adapter or a sharded model.
+
+    Why: decoding a few rows at a time, a LoRA projection's two extra small products and the
+    scaling cost about as much as the base product (docs/benchmarks.md, "HF engine"). The copies
+    live only while generating, when the activations of a training step are not held.
+    """
+    from torch.distributed.tensor import DTensor
+
+    mods = list(_lora_modules(model).values())
+    weights = [m.base_layer.weight for m in mods]
+    size = sum(w.numel() * w.element_size() for w in weights)
+    dora = any(any(getattr(m, "use_dora", {}).values()) for m in mods)
+    if not mods or size > max_bytes or dora or any(isinstance(w, DTensor) for w in weights):
+        yield False
+        return
+    saved: list[tuple[Tensor, Tensor]] = []
+    try:
+        for mod, w in zip(mods, weights):
+            folded = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=w.device)
+            delta = sum(mod.get_delta_weight(a) for a in mod.active_adapters if a in mod.lora_A)
+            torch.add(w.detach(), delta.detach().to(w.dtype), out=folded)
+            saved.append((w, w.data))
+            w.data = folded
+        with model.disable_adapter():
+            yield True
+    finally:
+        for w, data in saved:
+            w.data = data
 
 
 def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """All of :func:`merged_weights` at once (checkpoint export); a plain model gives its state dict."""
     return dict(merged_weights(model))
+
+
+CPU_ACTIVATION_BUDGET = 512 << 20  # bytes of saved activations per micro-batch on a CPU (auto)
 
 
 def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) -> int:
@@ -420,8 +491,9 @@ def microbatch_budget(
 ) -> tuple[int, str]:
     """``optim.max_tokens_per_microbatch: auto``: as many tokens as keep the student's saved activations
     within a quarter of the accelerator's free memory less ``reserve`` bytes (what the step will take
-    that is not allocated yet: AdamW's state), or within 1 GiB on a CPU (where generation, the data
-    and the OS share the RAM; it holds a SmolLM2-135M LoRA step near 2 GiB). Between 256 and 16,384
+    that is not allocated yet: AdamW's state), or within 512 MiB on a CPU (where generation, the data
+    and the OS share the RAM; with :func:`opsd.devices.return_freed_memory` it holds a SmolLM2-135M
+    LoRA step at 1.65 GiB peak RSS, against 2.17 GiB at 1 GiB, docs/benchmarks.md). Between 256 and 16,384
     tokens. Measure it with any vLLM engine asleep. Returns the budget and the reason (a notice)."""
     if setting != "auto":
         return int(setting), "set in the config"
@@ -433,6 +505,6 @@ def microbatch_budget(
             f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state",
         )
     else:
-        room, where = 1 << 30, "1 GiB on the CPU"
+        room, where = CPU_ACTIVATION_BUDGET, "512 MiB on the CPU"
     tokens = max(256, min(16384, room // per_token))
     return tokens, f"~{per_token / 2**20:.2f} MiB of activations per token, {where}"

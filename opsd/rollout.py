@@ -10,6 +10,7 @@ optimizer step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -24,6 +25,7 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    StaticCache,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -35,7 +37,13 @@ from transformers.generation.logits_process import (
 
 from opsd.distributed import rank_world
 from opsd.errors import TrainingError, UserError
-from opsd.models import merged_weight_names, merged_weights
+from opsd.models import (
+    CPU_ACTIVATION_BUDGET,
+    base_model,
+    lora_folded,
+    merged_weight_names,
+    merged_weights,
+)
 from opsd.parallel import gathered
 
 if TYPE_CHECKING:
@@ -248,7 +256,10 @@ class HFEngine:
                 device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
             )
             rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-            with rng, amp, gathered(self.model):
+            # On a CPU, LoRA folded into copies of the weights while generating, where they fit in
+            # the activations' budget (free during the rollout): peak RSS stays where training puts it.
+            fold = CPU_ACTIVATION_BUDGET if device.type == "cpu" else 0
+            with rng, amp, gathered(self.model), lora_folded(self.model, fold):
                 torch.manual_seed(seed)
                 for start in range(0, len(order), self.batch_size):
                     chunk = order[start : start + self.batch_size]
@@ -283,6 +294,11 @@ class HFEngine:
             return_dict_in_generate=False,
             **neutral,
         )
+        # On a CPU a preallocated cache, made here for this batch alone (generate's own would be reused
+        # at another length by the next call, which moves the log-probs' last bits): a growing cache
+        # re-copies every layer's keys and values at each token, 15% of a decode step at batch 8
+        # (docs/benchmarks.md, "HF engine").
+        cache = _static_cache(self.model, width + params.max_new_tokens) if device.type == "cpu" else {}
         seqs = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
@@ -290,6 +306,7 @@ class HFEngine:
             logits_processor=LogitsProcessorList([warp]),
             stopping_criteria=StoppingCriteriaList([rec]),
             synced_gpus=False,  # gathered(): no collective inside generate, ranks need not keep step
+            **cache,
         )
         gen = seqs[:, width:].cpu()
         logprobs = torch.stack(rec.logprobs, dim=1).cpu() if rec.logprobs else torch.zeros(len(batch), 0)
@@ -307,6 +324,14 @@ class HFEngine:
                 )
             )
         return out
+
+
+def _static_cache(model, max_len: int) -> dict[str, Any]:
+    """``generate``'s cache argument: a fresh StaticCache under the name this transformers reads
+    (``cache`` from 5.2x, ``past_key_values`` before)."""
+    net = base_model(model)
+    name = "cache" if "cache" in inspect.signature(net.forward).parameters else "past_key_values"
+    return {name: StaticCache(config=net.config, max_cache_len=max_len)}
 
 
 # ----------------------------------------------------------------------------------------------

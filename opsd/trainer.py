@@ -23,7 +23,7 @@ from opsd import checkpoint, distributed, metrics, models, parallel, precision
 from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.data.batching import MicroBatch, pad_microbatches
-from opsd.devices import resolve_device
+from opsd.devices import resolve_device, return_freed_memory
 from opsd.distributed import all_reduce_sum
 from opsd.engines import make_engine
 from opsd.errors import TrainingError
@@ -132,6 +132,8 @@ class Trainer:
         self.rank = self.dist.rank
         self.world = self.dist.world_size
         self.device = self.dist.device
+        if self.device.type == "cpu":  # freed activations go back to the OS: a step's peak RSS stays put
+            return_freed_memory()
         self.run_dir = Path(cfg.logging.run_dir)
         # The same seed on every rank: LoRA's initial weights must agree before sharding.
         torch.manual_seed(cfg.seed)
@@ -165,6 +167,8 @@ class Trainer:
                 reduce_dtype=models.DTYPES[cfg.parallel.reduce_dtype],
                 teacher_offload=self.teacher.offload_shards,
             )
+        if self.dist.mesh is None and self.device.type == "cpu":  # faster CPU GEMMs on frozen weights
+            models.frozen_weights_for_cpu(self.model, self.teacher.model)
         self.teacher.start()  # the EMA snapshot, of the student as sharded
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))

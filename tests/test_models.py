@@ -296,6 +296,65 @@ def test_apply_lora_with_gradient_checkpointing_gives_the_same_gradients(tiny_to
         torch.testing.assert_close(grads[1][n], g, rtol=0, atol=0)
 
 
+def test_frozen_weights_for_cpu_changes_layout_not_values(tiny_tokenizer):
+    """Frozen Linear weights become column-major with the same values (tied head counted once);
+    trainable ones keep their layout; the forward agrees to float64 rounding (error model: the same
+    sums in another order, ~1e-16 relative per product, far below 1e-12)."""
+    from opsd.models import frozen_weights_for_cpu
+
+    ids = torch.tensor([tiny_tokenizer("What is 12 + 30? 42").input_ids])
+    model = build_tiny_model(tiny_tokenizer, seed=0).double()
+    lora = _lora(model)
+    _randomize_lora_b(lora)
+    before = {n: p.detach().clone() for n, p in lora.named_parameters()}
+    with torch.no_grad():
+        want = lora(ids).logits
+    moved = frozen_weights_for_cpu(lora, None)
+    linear = [m for m in lora.modules() if isinstance(m, torch.nn.Linear)]
+    frozen = {id(m.weight): m.weight for m in linear if not m.weight.requires_grad}
+    assert moved == len(frozen) > 0
+    for w in frozen.values():
+        assert w.stride() == (1, w.shape[0]) and w.t().is_contiguous()
+    for n, p in lora.named_parameters():
+        assert torch.equal(p, before[n]), n
+        if p.requires_grad:
+            assert p.is_contiguous(), n
+    with torch.no_grad():
+        got = lora(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_lora_folded_matches_the_adapter_and_restores_every_bit(tiny_tokenizer):
+    """Inside: the adapter folded into copies equals the unmerged forward to float64 rounding (the
+    same products summed in another order); after: the very tensors, bit for bit, and the adapter on.
+    Too small a byte limit folds nothing."""
+    from opsd.models import frozen_weights_for_cpu, lora_folded
+
+    ids = torch.tensor([tiny_tokenizer("What is 12 + 30? 42").input_ids])
+    lora = _lora(build_tiny_model(tiny_tokenizer, seed=0).double())
+    _randomize_lora_b(lora)
+    frozen_weights_for_cpu(lora)
+    lora.eval()
+    bases = [m.base_layer.weight for m in lora.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
+    saved = [(w.data_ptr(), w.stride(), w.detach().clone()) for w in bases]
+    with torch.no_grad():
+        want = lora(ids).logits
+        with lora_folded(lora, max_bytes=1 << 30) as folded:
+            assert folded
+            assert all(w.data_ptr() != ptr for w, (ptr, _, _) in zip(bases, saved))
+            inside = lora(ids).logits
+        after = lora(ids).logits
+        with lora_folded(lora, max_bytes=16) as folded_small:
+            assert not folded_small
+            small = lora(ids).logits
+    with torch.no_grad(), lora.disable_adapter():
+        assert not torch.allclose(inside, lora(ids).logits)  # the adapter is in it
+    torch.testing.assert_close(inside, want, rtol=1e-12, atol=1e-12)
+    for w, (ptr, stride, value) in zip(bases, saved):
+        assert w.data_ptr() == ptr and w.stride() == stride and torch.equal(w, value)
+    assert torch.equal(after, want) and torch.equal(small, want)
+
+
 @pytest.mark.parametrize("wrap", [False, True])
 def test_final_hidden_and_head_weight_make_the_logits(tiny_model, tiny_tokenizer, wrap):
     model = _lora(tiny_model) if wrap else tiny_model
@@ -368,7 +427,7 @@ def test_merged_weights_merges_one_matrix_at_a_time(tiny_model):
 
 def test_microbatch_budget_auto_from_model_size():
     """optim.max_tokens_per_microbatch=auto: SmolLM2-135M in fp32 keeps ~1.4 MiB a token for backward,
-    so 1 GiB on a CPU is 728 tokens; checkpointing keeps one vector a layer; a set value passes through."""
+    so 512 MiB on a CPU is 364 tokens; checkpointing keeps one vector a layer; a set value passes through."""
     from types import SimpleNamespace
 
     from opsd.models import activation_bytes_per_token, microbatch_budget
@@ -380,7 +439,7 @@ def test_microbatch_budget_auto_from_model_size():
         smol, torch.float32, False
     )
     tokens, why = microbatch_budget("auto", smol, torch.float32, cpu, False)
-    assert tokens == (1 << 30) // (30 * (8 * 576 + 5 * 1536) * 4) == 728 and "1 GiB" in why
+    assert tokens == (512 << 20) // (30 * (8 * 576 + 5 * 1536) * 4) == 364 and "512 MiB" in why
     assert microbatch_budget("auto", smol, torch.float32, cpu, True)[0] > 8 * tokens
     tiny = SimpleNamespace(hidden_size=32, num_hidden_layers=2, intermediate_size=64)
     assert microbatch_budget("auto", tiny, torch.float32, cpu, False)[0] == 16384  # capped

@@ -25,7 +25,7 @@ from opsd.devices import machine_info, resolve_device
 from opsd.errors import UserError
 from opsd.eval.loop import EvalResult, check_settings, evaluate_model
 from opsd.grading import GRADERS, Grader, grade
-from opsd.models import load_model, load_tokenizer, resolve_model_path
+from opsd.models import frozen_weights_for_cpu, load_model, load_tokenizer, resolve_model_path
 from opsd.precision import dtype_name
 from opsd.precision import resolve as resolve_precision
 
@@ -151,6 +151,8 @@ def evaluate(
     for name, label, tok in zip(models, _labels(models), tokenizers, strict=True):
         # vLLM loads its own copy from the path; the HF copy on CPU only feeds the initial weight sync.
         hf_model = load_model(name, dtype=dtype, device="cpu" if engine == "vllm" else str(dev))
+        if engine == "hf" and dev.type == "cpu":  # nothing trains here: every weight in the fast layout
+            frozen_weights_for_cpu(hf_model.requires_grad_(False))
         # eval never sleeps; one engine per model, closed after it
         rollout = RolloutConfig(
             engine=engine, batch_size=batch_size, max_new_tokens=max_new_tokens, vllm_sleep_level=0
