@@ -4,7 +4,8 @@ SmolLM2-135M-Instruct with LoRA r=16 alpha=32 on q/k/v/o/gate/up/down, loaded th
 loads it (base weights frozen, and on a CPU laid out by ``frozen_weights_for_cpu`` where the opsd
 being measured has it), MATH train prompts 8 onwards through the chat template, exactly
 ``--new-tokens`` new tokens per sample (``min_new_tokens``) at T=1.1, one ``generate`` call per batch
-after a warm-up call. A profiled 16-token generate at batch 8 gives the top operators.
+after a warm-up call. Two profiled generates at batch 8 (48 and 16 tokens) give the top
+operators of one decode step.
 
 ``--before REV`` first measures the opsd of git revision REV (a temporary worktree) the same way,
 in its own process, so the section holds before and after from one sitting. Each measurement runs in
@@ -153,15 +154,7 @@ def _measure(
         dt = time.perf_counter() - t0
         tok_s[b] = sum(len(c.token_ids) for c in out) / dt
         print(f"  batch {b}: {tok_s[b]:.1f} tok/s ({dt:.1f} s)", flush=True)
-    top = []
-    if profile:
-        from torch.profiler import profile as torch_profile
-
-        with torch_profile() as prof:
-            engine.generate(prompts[:8], 1, params(16))
-        total = sum(e.self_cpu_time_total for e in prof.key_averages())
-        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]:
-            top.append((e.key, e.count, e.self_cpu_time_total / total))
+    top = _decode_profile(engine, prompts[:8], params) if profile else []
     return {
         "tok_s": tok_s,
         "top": top,
@@ -170,6 +163,27 @@ def _measure(
         "opsd_file": opsd.__file__,  # which checkout was measured
         "machine": _common.describe_machine(),
     }
+
+
+def _decode_profile(engine, prompts: list[list[int]], params) -> list[tuple[str, float, float]]:
+    """Per decode step at batch 8: milliseconds and calls of the top operators, as the difference of
+    a profiled 48-token and 16-token generate divided by 32 (the prefill and setup cancel out)."""
+    from torch.profiler import profile as torch_profile
+
+    runs = []
+    for n in (16, 48):
+        with torch_profile() as prof:
+            engine.generate(prompts, 1, params(n))
+        runs.append({e.key: (e.self_cpu_time_total, e.count) for e in prof.key_averages()})
+    short, long = runs
+    per_step = {
+        k: ((t - short.get(k, (0, 0))[0]) / 32 / 1000, (c - short.get(k, (0, 0))[1]) / 32)
+        for k, (t, c) in long.items()
+    }
+    total = sum(ms for ms, _ in per_step.values())
+    top = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:10]
+    calls = sum(c for _, c in per_step.values())
+    return [("all operators", total, calls), *((k, ms, c) for k, (ms, c) in top)]
 
 
 def _report(runs: list[dict], args: argparse.Namespace) -> str:
@@ -203,12 +217,12 @@ def _report(runs: list[dict], args: argparse.Namespace) -> str:
         if r["top"]:
             lines += [
                 "",
-                f"Top operators, {r['label']}, {r['dtype']} (a profiled 16-token generate at batch 8, "
-                "share of self CPU time; the prefill is in it):",
+                f"One decode step at batch 8, {r['label']}, {r['dtype']} (profiled 48-token minus 16-token "
+                "generate, divided by 32; self CPU time, the profiler's own overhead included):",
                 "",
-                "| operator | calls | share |",
+                "| operator | ms per step | calls per step |",
                 "|---|---:|---:|",
-                *(f"| `{k}` | {n} | {share:.1%} |" for k, n, share in r["top"]),
+                *(f"| `{k}` | {ms:.1f} | {calls:.0f} |" for k, ms, calls in r["top"]),
             ]
     return "\n".join(lines)
 

@@ -108,26 +108,25 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-MMAP_THRESHOLD = 128 << 10  # glibc's own default, fixed instead of left to grow
+def release_freed_memory() -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``), once a step on a CPU.
 
-
-def return_freed_memory() -> bool:
-    """Make glibc serve every allocation of 128 KiB and up from its own mapping, unmapped when freed.
-
-    Why: glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), after
-    which tensors below it come from the heap, where freed holes stay resident. A training step frees
-    and reallocates a gigabyte of activations per micro-batch, so the heap grew step after step:
-    fixing the threshold took a SmolLM2-135M LoRA step's peak RSS from 2.9 to 2.2 GiB
-    (docs/benchmarks.md, "Train step"). Process-wide, for CPU runs; returns whether it applied
-    (False off glibc, e.g. macOS).
+    Why: tensors below glibc's mmap threshold (which grows to 32 MiB) come from the heap, and a step
+    frees and reallocates its activations, generation buffers and loss blocks there: the holes stayed
+    resident and the peak RSS grew step after step (2.6 -> 2.9 GiB over two SmolLM2-135M LoRA steps,
+    docs/benchmarks.md "Train step memory"). Trimming between steps costs the next step a page fault
+    per reused page. Fixing the threshold instead (``MALLOC_MMAP_THRESHOLD_=131072``: every tensor of
+    128 KiB and up mapped and unmapped) held that step at 1.65 GiB but cost a page fault per fresh
+    activation page, which made the student's forward and backward 2-5x slower on the 2-core VM the
+    figures come from; it stays a user's choice (README). Returns whether it ran (False off glibc).
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     import ctypes
 
-    m_mmap_threshold = -3  # malloc.h
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    return bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD))
+    libc.malloc_trim(0)
+    return True

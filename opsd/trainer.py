@@ -23,7 +23,7 @@ from opsd import checkpoint, distributed, metrics, models, parallel, precision
 from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.data.batching import MicroBatch, pad_microbatches
-from opsd.devices import resolve_device, return_freed_memory
+from opsd.devices import release_freed_memory, resolve_device
 from opsd.distributed import all_reduce_sum
 from opsd.engines import make_engine
 from opsd.errors import TrainingError
@@ -132,8 +132,6 @@ class Trainer:
         self.rank = self.dist.rank
         self.world = self.dist.world_size
         self.device = self.dist.device
-        if self.device.type == "cpu":  # freed activations go back to the OS: a step's peak RSS stays put
-            return_freed_memory()
         self.run_dir = Path(cfg.logging.run_dir)
         # The same seed on every rank: LoRA's initial weights must agree before sharding.
         torch.manual_seed(cfg.seed)
@@ -627,6 +625,8 @@ class Trainer:
             with self.stop:
                 while self.step_num < end:
                     out = self.step()
+                    if self.device.type == "cpu":  # the heap's holes back to the OS: RSS does not creep
+                        release_freed_memory()
                     rec = self.record(out)
                     if cfg.eval.every and self.step_num % cfg.eval.every == 0:
                         rec.update(self.evaluate())

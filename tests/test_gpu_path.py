@@ -242,3 +242,15 @@ def test_a_cuda_index_beyond_the_visible_gpus_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UserError, match="only 1 CUDA devices are visible"):
         resolve_device("cuda:3")
+
+
+def test_release_freed_memory_trims_on_glibc_only(monkeypatch):
+    """On glibc it runs malloc_trim (and says so); elsewhere it touches nothing."""
+    import platform
+
+    from opsd.devices import release_freed_memory
+
+    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert release_freed_memory() is on_glibc
+    monkeypatch.setattr(platform, "system", lambda: "Darwin")
+    assert release_freed_memory() is False
