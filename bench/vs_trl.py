@@ -96,6 +96,7 @@ def main() -> None:
         "is ~25x slower and says nothing about either trainer)",
     )
     ap.add_argument("--opsd-engine", default="auto", choices=("auto", "hf", "vllm"))
+    ap.add_argument("--sides", default="opsd,trl", help="which trainers to run (comma-separated)")
     ap.add_argument("--repeats", type=int, default=1, help="run each (side, dtype) this many times")
     ap.add_argument("--rows-per-step", type=int, default=8)
     ap.add_argument("--measured-steps", type=int, default=3, help="after one warm-up step")
@@ -157,7 +158,7 @@ def main() -> None:
     runs = []
     for rep in range(args.repeats):
         for dtype in dtypes:
-            for side in SIDES:
+            for side in [x for x in SIDES if x in args.sides.split(",")]:
                 work = Work(
                     side=side,
                     dtype=dtype,
