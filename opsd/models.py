@@ -415,15 +415,19 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """
     lora, state = _lora_modules(model), model.state_dict()
     for key, name in _weight_keys(model):
-        value = state[key].detach()
-        mod = lora.get(name)
-        for adapter in mod.active_adapters if mod is not None else ():
-            if adapter not in getattr(mod, "lora_A", {}):
-                continue
-            if getattr(mod, "use_dora", {}).get(adapter, False):
-                raise NotImplementedError(f"{name}: merging a DoRA adapter out of place is not supported")
-            value = value + mod.get_delta_weight(adapter).detach().to(value.dtype)
+        value = _plus_deltas(state[key].detach(), lora.get(name), name)
         yield name, value.contiguous()  # a column-major frozen weight (frozen_weights_for_cpu) is copied
+
+
+def _plus_deltas(value: Tensor, mod: nn.Module | None, name: str) -> Tensor:
+    """``value`` plus each active LoRA adapter's ``scale * B @ A``, out of place, in adapter order."""
+    for adapter in mod.active_adapters if mod is not None else ():
+        if adapter not in getattr(mod, "lora_A", {}):
+            continue
+        if getattr(mod, "use_dora", {}).get(adapter, False):
+            raise NotImplementedError(f"{name}: merging a DoRA adapter out of place is not supported")
+        value = value + mod.get_delta_weight(adapter).detach().to(value.dtype)
+    return value
 
 
 @contextmanager
@@ -439,19 +443,18 @@ def lora_folded(model: nn.Module, max_bytes: int) -> Iterator[bool]:
     """
     from torch.distributed.tensor import DTensor
 
-    mods = list(_lora_modules(model).values())
-    weights = [m.base_layer.weight for m in mods]
+    mods = _lora_modules(model)
+    weights = [m.base_layer.weight for m in mods.values()]
     size = sum(w.numel() * w.element_size() for w in weights)
-    dora = any(any(getattr(m, "use_dora", {}).values()) for m in mods)
+    dora = any(any(getattr(m, "use_dora", {}).values()) for m in mods.values())
     if not mods or size > max_bytes or dora or any(isinstance(w, DTensor) for w in weights):
         yield False
         return
     saved: list[tuple[Tensor, Tensor]] = []
     try:
-        for mod, w in zip(mods, weights):
+        for (name, mod), w in zip(mods.items(), weights):
             folded = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=w.device)
-            delta = sum(mod.get_delta_weight(a) for a in mod.active_adapters if a in mod.lora_A)
-            torch.add(w.detach(), delta.detach().to(w.dtype), out=folded)
+            folded.copy_(_plus_deltas(w.detach(), mod, name))  # keeps w's (column-major) layout
             saved.append((w, w.data))
             w.data = folded
         with model.disable_adapter():
