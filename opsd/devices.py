@@ -109,7 +109,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def release_freed_memory() -> bool:
-    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``), once a step on a CPU.
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``): on a CPU, the trainer calls
+    it after generation and after each step.
 
     Why: tensors below glibc's mmap threshold (which grows to 32 MiB) come from the heap, and a step
     frees and reallocates its activations, generation buffers and loss blocks there: the holes stayed

@@ -516,6 +516,10 @@ class Trainer:
         self.engine.wake()
         completions = self.engine.generate(prompts, n or self.cfg.rollout.n, params)
         self.engine.sleep()
+        if self.device.type == "cpu":
+            # Generation's freed buffers (its cache, the folded LoRA copies) back to the OS before the
+            # micro-batch loop: left as heap holes, they raised that loop's peak RSS by ~0.16 GiB.
+            release_freed_memory()
         return completions
 
     def sampling(self, step: int) -> SamplingParams:

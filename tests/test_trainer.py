@@ -462,3 +462,20 @@ def test_logprob_check_reuses_the_loss_logits_when_the_temperatures_agree(assets
                 **{"rollout.logprob_check": "true", "loss.temperature": 0.7, "optim.max_steps": 1},
             )
         ).train()
+
+
+def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, tmp_path, monkeypatch):
+    """On a CPU the trainer trims the C heap once generation is over (before the micro-batch loop reuses
+    it) and once after the step: the order of calls, not a memory figure, is what this can check."""
+    calls = []
+    monkeypatch.setattr(trainer_mod, "release_freed_memory", lambda: calls.append("trim"))
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}))
+    real_fb = tr.forward_backward
+
+    def spy(*a, **kw):
+        calls.append("micro-batches")
+        return real_fb(*a, **kw)
+
+    tr.forward_backward = spy
+    tr.train()
+    assert calls == ["trim", "micro-batches", "trim"] * 2

@@ -96,10 +96,11 @@ def _grad_mixture(s: Tensor, d_s: Tensor, keep: Tensor | None, beta: float) -> T
     return g.sub_(torch.linalg.vecdot(s, g)[:, None]).mul_(s).mul_(1 - beta)
 
 
-def _terms(f: Tensor, d: Tensor, entry: bool) -> tuple[Tensor | None, Tensor]:
-    """Per-entry terms ``f * d`` (only kept when entry clipping needs them) and their row sums."""
+def _terms(f: Tensor, d: Tensor, entry: bool, *, overwrite_d: bool = False) -> tuple[Tensor | None, Tensor]:
+    """Per-entry terms ``f * d`` (only kept when entry clipping needs them) and their row sums.
+    ``overwrite_d``: the terms are written into ``d`` (one ``[c, V]`` block fewer)."""
     if entry:
-        ell = f * d
+        ell = d.mul_(f) if overwrite_d else f * d
         return ell, ell.sum(-1)
     return None, torch.linalg.vecdot(f, d)
 
@@ -112,7 +113,7 @@ def _clip(
         keep = ell <= spec.clip
         stats.clipped = ell.numel() - keep.sum()
         stats.clip_total = float(ell.numel())
-        return torch.where(keep, ell, ell.new_tensor(spec.clip)).sum(-1), keep, None
+        return ell.masked_fill_(~keep, spec.clip).sum(-1), keep, None  # ell is not needed any more
     if spec.clip_mode == "token":
         token_keep = raw <= spec.clip
         stats.clipped = (~token_keep).sum()
@@ -133,11 +134,15 @@ def _divergence_chunk(
     log_s, log_p, idx, stats = _log_probs(a, b, spec, with_stats)
     s = log_s.exp()
     beta, entry = spec.beta, spec.clip_mode == "entry"
+    # In place where a block is not read again: the chunk's peak memory is its count of [c, V] blocks.
     if beta == 0.0:  # ell = P (log P - log S)
         p = log_p.exp()
-        ell, raw = _terms(p, log_p - log_s, entry)
+        d = log_p.sub_(log_s)
+        del log_s
+        ell, raw = _terms(p, d, entry, overwrite_d=True)
     elif beta == 1.0:  # ell = S (log S - log P)
-        d = log_s - log_p
+        d = log_s.sub_(log_p)
+        del log_p
         ell, raw = _terms(s, d, entry)
     else:  # ell = beta P (log P - log M) + (1-beta) S (log S - log M)
         p = log_p.exp()
