@@ -20,7 +20,10 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +89,16 @@ def wait_for_idle(max_load: float = 0.5, timeout_s: float = 3600.0, poll_s: floa
     else:
         print(f"1-minute load average {load:.2f} (below {max_load})", flush=True)
     return load
+
+
+def matmul_rate(dtype: torch.dtype, m: int = 1024, k: int = 576, n: int = 1536, reps: int = 20) -> float:
+    """GFLOP/s of an [m, k] x [k, n] product (SmolLM2's MLP shape) in `dtype`: this machine's rate for
+    the products a training step is made of."""
+    import torch
+
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9

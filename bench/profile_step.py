@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import math
 import resource
-import time
 from pathlib import Path
 
 import _common
@@ -26,16 +25,6 @@ from torch.profiler import ProfilerActivity, profile
 from train_step import MATH, ROOT, bench_config
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-
-
-def matmul_rate(dtype: torch.dtype, m: int = 1024, k: int = 576, n: int = 1536, reps: int = 20) -> float:
-    """GFLOP/s of an [m, k] x [k, n] product (SmolLM2's MLP shape) in `dtype`."""
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    return 2 * m * k * n * reps / (time.perf_counter() - t0) / 1e9
 
 
 def main() -> None:
@@ -51,7 +40,7 @@ def main() -> None:
     cfg = bench_config(args.data, ["optim.max_steps=2", *args.overrides])
     _common.wait_for_idle(0.5, timeout_s=math.inf, poll_s=10)
     before = _common.load_avgs(2)
-    rate32, rate16 = matmul_rate(torch.float32), matmul_rate(torch.bfloat16)
+    rate32, rate16 = _common.matmul_rate(torch.float32), _common.matmul_rate(torch.bfloat16)
     trainer = Trainer(cfg)
     trainer.train(until_step=1)  # warm-up
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:

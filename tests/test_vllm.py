@@ -50,6 +50,9 @@ def _engine(model, tok, **rollout) -> VLLMEngine:
     return make_engine(cfg, model, tok, seed=0, max_prompt_len=64)
 
 
+THREADS_BEFORE_ENGINE = torch.get_num_threads()
+
+
 @pytest.fixture(scope="module")
 def base_model(assets):
     return _load(assets["root"] / "base")
@@ -85,6 +88,15 @@ def _gap(model, prompts, completions, temperature: float) -> float:
         .item()
         for c in completions
     )
+
+
+def test_engine_keeps_the_trainers_torch_threads(engine):
+    """The colocated engine shares its process with the trainer, which keeps its threads. vLLM 0.32 logs
+    "Reducing Torch threads from 2 to 1 for serving" at engine start, but its CPU worker has already made
+    torch.set_num_threads a no-op, so the count stays; a vLLM that reorders the two would fail here."""
+    if THREADS_BEFORE_ENGINE == 1:
+        pytest.skip("torch runs one thread here: there is nothing to lose")
+    assert torch.get_num_threads() == THREADS_BEFORE_ENGINE
 
 
 def test_generates_from_token_ids_with_stop_tokens(engine, assets):
