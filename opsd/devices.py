@@ -117,9 +117,10 @@ def release_freed_memory() -> bool:
     resident and the peak RSS grew step after step (2.6 -> 2.9 GiB over two SmolLM2-135M LoRA steps,
     docs/benchmarks.md "Train step memory"). Trimming between steps costs the next step a page fault
     per reused page. Fixing the threshold instead (``MALLOC_MMAP_THRESHOLD_=131072``: every tensor of
-    128 KiB and up mapped and unmapped) held that step at 1.65 GiB but cost a page fault per fresh
-    activation page, which made the student's forward and backward 2-5x slower on the 2-core VM the
-    figures come from; it stays a user's choice (README). Returns whether it ran (False off glibc).
+    128 KiB and up mapped and unmapped) held that step at 1.65 GiB but made the student's forward and
+    backward 2-5x slower on the 2-core VM the figures come from (a map, faults and an unmap per
+    activation; which of them costs most was not measured); it stays a user's choice (README).
+    Returns whether it ran (False off glibc).
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
