@@ -108,9 +108,9 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def release_freed_memory() -> bool:
-    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``): on a CPU, the trainer calls
-    it after generation and after each step.
+def release_freed_memory(device: torch.device) -> bool:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``) when ``device`` is a CPU: the
+    trainer calls it after generation and after each step.
 
     Why: tensors below glibc's mmap threshold (which grows to 32 MiB) come from the heap, and a step
     frees and reallocates its activations, generation buffers and loss blocks there: the holes stayed
@@ -120,9 +120,9 @@ def release_freed_memory() -> bool:
     128 KiB and up mapped and unmapped) held that step at 1.65 GiB but made the student's forward and
     backward 2-5x slower on the 2-core VM the figures come from (a map, faults and an unmap per
     activation; which of them costs most was not measured); it stays a user's choice (README).
-    Returns whether it ran (False off glibc).
+    Returns whether it ran (False for an accelerator, whose tensors are not on this heap, and off glibc).
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if device.type != "cpu" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     import ctypes
 

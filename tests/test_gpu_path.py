@@ -245,12 +245,14 @@ def test_a_cuda_index_beyond_the_visible_gpus_is_one_line(monkeypatch):
 
 
 def test_release_freed_memory_trims_on_glibc_only(monkeypatch):
-    """On glibc it runs malloc_trim (and says so); elsewhere it touches nothing."""
+    """For a CPU device on glibc it runs malloc_trim (and says so); for an accelerator or off glibc it
+    touches nothing."""
     import platform
 
     from opsd.devices import release_freed_memory
 
     on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert release_freed_memory() is on_glibc
+    assert release_freed_memory(torch.device("cpu")) is on_glibc
+    assert release_freed_memory(torch.device("cuda")) is False
     monkeypatch.setattr(platform, "system", lambda: "Darwin")
-    assert release_freed_memory() is False
+    assert release_freed_memory(torch.device("cpu")) is False

@@ -468,7 +468,11 @@ def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, t
     """On a CPU the trainer trims the C heap once generation is over (before the micro-batch loop reuses
     it) and once after the step: the order of calls, not a memory figure, is what this can check."""
     calls = []
-    monkeypatch.setattr(trainer_mod, "release_freed_memory", lambda: calls.append("trim"))
+
+    def trim(device) -> None:
+        calls.append(f"trim {device.type}")
+
+    monkeypatch.setattr(trainer_mod, "release_freed_memory", trim)
     tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}))
     real_fb = tr.forward_backward
 
@@ -478,4 +482,4 @@ def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, t
 
     tr.forward_backward = spy
     tr.train()
-    assert calls == ["trim", "micro-batches", "trim"] * 2
+    assert calls == ["trim cpu", "micro-batches", "trim cpu"] * 2
