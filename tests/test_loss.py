@@ -201,6 +201,39 @@ def test_stats_are_sums_over_tokens():
     assert st.agree == (zs.argmax(-1) == zt.argmax(-1)).sum().item()
 
 
+@pytest.mark.parametrize(
+    "kw", [{"beta": 0.0}, {"beta": 1.0}, {"beta": 0.5}, {"mode": "topk", "topk": 5}, {"mode": "sampled"}]
+)
+def test_every_kernel_reports_both_entropies_over_the_full_vocabulary(kw):
+    """The kernels take the entropies from S and P they already have (or, for top-k, from the full
+    vocabulary): each mode and beta reports the same statistics as a dense computation."""
+    hs, ht, w, y = make(n=10, seed=7)
+    zs, zt = hs @ w.t(), ht @ w.t()
+    spec = DistillSpec(clip_mode="none", **kw)
+    _, st = fused_linear_distill(hs, w, ht, w, targets=y, spec=spec, chunk_size=4)
+    # float64: the same 10 x 40 products summed over chunks of 4 rows; <= 400*u of the entropies' total
+    # size (all terms >= 0) is ~1e-13: 1e-12 is the stated bound
+    for z, got in ((zs, st.entropy_student), (zt, st.entropy_teacher)):
+        want = -(z.softmax(-1) * z.log_softmax(-1)).sum().item()
+        torch.testing.assert_close(float(got), want, rtol=1e-12, atol=0)
+    assert st.agree == (zs.argmax(-1) == zt.argmax(-1)).sum().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_log_probs_are_written_into_the_logit_blocks(dtype):
+    """Over the full vocabulary the kernel's log S and log P take the logit blocks' memory (two [c, V]
+    blocks fewer per chunk) and hold exactly what log_softmax gives (the same kernel, written in place)."""
+    from opsd.loss.fused import _log_probs
+
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(6, 300, generator=g, dtype=dtype) * 8 for _ in range(2))
+    want_s, want_p = a.log_softmax(-1), b.log_softmax(-1)
+    log_s, log_p, idx, _ = _log_probs(a, b, DistillSpec(), with_stats=True)
+    assert idx is None
+    assert log_s.data_ptr() == a.data_ptr() and log_p.data_ptr() == b.data_ptr()
+    assert torch.equal(log_s, want_s) and torch.equal(log_p, want_p)
+
+
 def test_micro_batches_with_global_weights_add_up_to_one_big_batch():
     hs, ht, w, y = make(n=16, seed=6)
     mask = torch.ones(4, 4)

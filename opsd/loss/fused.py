@@ -33,21 +33,33 @@ from opsd.loss.spec import DistillSpec, LossStats
 def _log_probs(
     a: Tensor, b: Tensor, spec: DistillSpec, with_stats: bool
 ) -> tuple[Tensor, Tensor, Tensor | None, LossStats]:
-    """``log S``, ``log P`` (over the teacher's top-k for ``mode="topk"``, with its indices), chunk stats.
+    """``log S``, ``log P`` and the chunk's stats so far (its top-1 agreement).
 
-    Entropies and top-1 agreement are always over the full vocabulary.
+    Over the full vocabulary they are written into ``a`` and ``b``, which the caller does not read
+    again: two ``[c, V]`` blocks fewer, the same values as ``log_softmax``; the entropies are left to
+    the kernel, which has ``S`` and ``P`` at hand (:func:`_entropies`). For ``mode="topk"`` they are
+    over the teacher's top-k (with its indices), and the entropies, over the full vocabulary, are
+    taken here.
     """
     stats = LossStats(tokens=float(a.shape[0]))
-    idx = b.topk(spec.topk, dim=-1).indices if spec.mode == "topk" else None
-    log_s, log_p = a.log_softmax(-1), b.log_softmax(-1)
     if with_stats:
-        stats.entropy_student = -torch.linalg.vecdot(log_s.exp(), log_s).sum()  # on the device: no sync
-        stats.entropy_teacher = -torch.linalg.vecdot(log_p.exp(), log_p).sum()
         stats.agree = (a.argmax(-1) == b.argmax(-1)).sum()
-    if idx is not None:
-        log_s = a.gather(-1, idx).log_softmax(-1)
-        log_p = b.gather(-1, idx).log_softmax(-1)
-    return log_s, log_p, idx, stats
+    if spec.mode == "topk":
+        idx = b.topk(spec.topk, dim=-1).indices
+        if with_stats:
+            _entropies(stats, a.log_softmax(-1), b.log_softmax(-1))
+        return a.gather(-1, idx).log_softmax(-1), b.gather(-1, idx).log_softmax(-1), idx, stats
+    return torch.log_softmax(a, -1, out=a), torch.log_softmax(b, -1, out=b), None, stats
+
+
+def _entropies(
+    stats: LossStats, log_s: Tensor, log_p: Tensor, s: Tensor | None = None, p: Tensor | None = None
+) -> None:
+    """The chunk's summed entropies, from ``S`` and ``P`` when the kernel has them (no second ``exp``)."""
+    s = log_s.exp() if s is None else s
+    p = log_p.exp() if p is None else p
+    stats.entropy_student = -torch.linalg.vecdot(s, log_s).sum()  # on the device: no sync
+    stats.entropy_teacher = -torch.linalg.vecdot(p, log_p).sum()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,11 +144,13 @@ def _divergence_chunk(
     sampled tokens ``y`` are not used.
     """
     log_s, log_p, idx, stats = _log_probs(a, b, spec, with_stats)
-    s = log_s.exp()
     beta, entry = spec.beta, spec.clip_mode == "entry"
+    s = log_s.exp()
+    p = log_p.exp() if beta != 1.0 else None
+    if with_stats and idx is None:
+        _entropies(stats, log_s, log_p, s, p)
     # In place where a block is not read again: the chunk's peak memory is its count of [c, V] blocks.
     if beta == 0.0:  # ell = P (log P - log S)
-        p = log_p.exp()
         d = log_p.sub_(log_s)
         del log_s
         ell, raw = _terms(p, d, entry, overwrite_d=True)
@@ -145,7 +159,6 @@ def _divergence_chunk(
         del log_p
         ell, raw = _terms(s, d, entry)
     else:  # ell = beta P (log P - log M) + (1-beta) S (log S - log M)
-        p = log_p.exp()
         log_m = torch.lerp(s, p, beta).clamp_min_(torch.finfo(s.dtype).tiny).log_()
         d_p = log_p.sub_(log_m)  # log_p is not needed any more
         d_s = log_s.sub_(log_m)
@@ -199,6 +212,8 @@ def _sampled_chunk(
     ``y ~ S`` has the reverse-KL gradient. ``stats.divergence`` sums ``log S(y) - log P(y)``.
     """
     log_s, log_p, _, stats = _log_probs(a, b, spec, with_stats)
+    if with_stats:
+        _entropies(stats, log_s, log_p)
     y = y[:, None]
     ls_y = log_s.gather(-1, y)
     adv = log_p.gather(-1, y) - ls_y
