@@ -121,6 +121,7 @@ def main() -> None:
     lens = count_step_tokens(trainer)
     recs = trainer.train()
     print(f"load after: {_common.load_avg():.2f}", flush=True)
+    rate_after = _common.matmul_rate(torch.float32)  # the same product again: the host's share moved?
     measured = recs[1:]
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
@@ -156,7 +157,9 @@ def main() -> None:
         f"gradient, the three head products of the fused loss; attention scores and elementwise work left "
         f"out) at this machine's float32 product rate, {rate:.0f} GFLOP/s at SmolLM2's MLP shape, measured "
         f"alone before the run: the products alone take a median {statistics.median(floors):.2f} ms per "
-        "completion token at that rate; the rest is attention, elementwise work and overheads.",
+        "completion token at that rate; the rest is attention, elementwise work and overheads. The same "
+        f"product after the run: {rate_after:.0f} GFLOP/s (a rate that moved means the machine's share of "
+        "its host moved during the run, which a load average inside a VM does not show).",
         f"- Peak RSS of the whole process (model load included): **{peak_rss:.2f} GiB** (target <= 2 GiB).",
         "- For comparison (issue figures, TRL 1.16, same work, same machine type): SDFTTrainer 26.6-28.8 "
         "ms/token and 7.6 GiB; DistillationTrainer 13.4-15.4 ms/token and 8.0 GiB; GKDTrainer 20-25 "
