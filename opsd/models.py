@@ -495,7 +495,7 @@ def microbatch_budget(
     """``optim.max_tokens_per_microbatch: auto``: as many tokens as keep the student's saved activations
     within a quarter of the accelerator's free memory less ``reserve`` bytes (what the step will take
     that is not allocated yet: AdamW's state), or within 512 MiB on a CPU (where generation, the data
-    and the OS share the RAM; a SmolLM2-135M LoRA step peaks at 2.00-2.09 GiB RSS there, 2.87 GiB at
+    and the OS share the RAM; a SmolLM2-135M LoRA step peaks at 1.89-1.98 GiB RSS there, 2.87 GiB at
     1 GiB before the trainer trimmed the heap, docs/benchmarks.md). Between 256 and 16,384
     tokens. Measure it with any vLLM engine asleep. Returns the budget and the reason (a notice)."""
     if setting != "auto":
