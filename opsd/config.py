@@ -96,7 +96,9 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(1024, ge=1)
     stop_strings: list[str] = []
     batch_size: int = Field(32, ge=1)
-    gpu_memory_utilization: float = Field(0.4, gt=0, le=1)  # vLLM only
+    # vLLM only. None: 0.4 on GPUs; on a CPU a KV cache sized to hold batch_size sequences of
+    # max_model_len tokens (a set fraction makes vLLM reserve that share of the machine's RAM)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)  # vLLM only: ranks per engine under torchrun
     # vLLM only. Sleep while the trainer trains: 0 off, 1 offload weights to CPU, 2 discard them
     # (reloaded from the trainer at wake-up). Sleep mode exists on CUDA/ROCm/XPU; elsewhere it is off.

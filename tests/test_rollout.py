@@ -467,3 +467,21 @@ def test_vllm_missing_is_a_clear_error(monkeypatch, tiny_model, tiny_tokenizer):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` fail
     with pytest.raises(UserError, match=r"pip install opsd\[vllm\]"):
         vllm_engine(tiny_model, tiny_tokenizer)
+
+
+def test_cpu_kv_cache_holds_the_batch_at_full_length():
+    """On a CPU vLLM would take a share of the RAM for its cache; the engine asks for what batch_size
+    sequences of max_model_len tokens need: K and V per layer, KV head and head size, in whole blocks."""
+    from transformers import LlamaConfig
+
+    from opsd.rollout import cpu_kv_cache_bytes
+
+    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    # head size 64 / 4 = 16; per token 2 (K, V) x 2 layers x 2 KV heads x 16 x 4 bytes = 512;
+    # 300 tokens -> 2 blocks of 256, plus one: 768 tokens per sequence, 3 sequences
+    assert cpu_kv_cache_bytes(cfg, "float32", 3, 300) == 512 * 768 * 3
+    assert cpu_kv_cache_bytes(cfg, "bfloat16", 3, 300) == 256 * 768 * 3
+    cfg.head_dim = 32  # an explicit head size wins over hidden_size / heads
+    assert cpu_kv_cache_bytes(cfg, "float32", 1, 256) == 1024 * 512
+    assert cpu_kv_cache_bytes(cfg, "float32", 3, None) is None  # no length: vLLM sizes it itself
+    assert cpu_kv_cache_bytes(None, "float32", 3, 300) is None

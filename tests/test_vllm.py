@@ -219,6 +219,26 @@ def test_sync_changes_outputs_and_equals_a_fresh_engine(engine, assets, base_mod
             assert c.logprobs == pytest.approx(w.logprobs, abs=1e-5)
 
 
+def test_cpu_engine_sizes_its_cache_to_the_batch(assets, base_model, capsys):
+    """Without kv_cache_memory_bytes or a gpu_memory_utilization, the CPU engine's cache holds batch_size
+    sequences of max_model_len tokens (vLLM would otherwise take 0.4 of the machine's RAM), and generates."""
+    from vllm.platforms import current_platform
+
+    from opsd.rollout import cpu_kv_cache_bytes
+
+    if not current_platform.is_cpu():
+        pytest.skip("the sizing is for vLLM's CPU backend")
+    cfg = RolloutConfig(engine="vllm", batch_size=4, vllm_kwargs={"enforce_eager": True})
+    eng = make_engine(cfg, base_model, assets["tok"], seed=0, max_prompt_len=48)
+    try:
+        want = cpu_kv_cache_bytes(base_model.config, "float32", 4, 48 + cfg.max_new_tokens)
+        assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == want
+        assert "GiB KV cache for 4 sequences" in capsys.readouterr().err
+        assert len(_greedy(eng, assets["prompts"])) == len(assets["prompts"])
+    finally:
+        eng.close()
+
+
 def test_three_training_steps_with_vllm(assets, tmp_path):
     rows = [
         {
