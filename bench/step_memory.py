@@ -2,8 +2,8 @@
 
 A thread samples the process's resident set every 20 ms and keeps the maximum per phase (model
 build, rollouts, teacher scoring, the micro-batch loop) and per step; the phases are marked by
-wrapping the trainer's own methods. Memory does not depend on the machine's load, so this can run beside other
-work; its wall times are not results.
+wrapping the trainer's own methods. Memory does not depend on the machine's load, so this can run
+beside other work; its wall times are not results.
 
     python bench/step_memory.py                                   # the defaults
     python bench/step_memory.py --steps 4                         # bench/train_step.py's length
