@@ -203,6 +203,12 @@ def load_model(
 _PLAIN_RMSNORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
+def head_size(config) -> int:
+    """An attention head's width: the config's ``head_dim`` where it sets one, else hidden size / heads."""
+    explicit = getattr(config, "head_dim", None)
+    return int(explicit or int(config.hidden_size) // int(config.num_attention_heads))
+
+
 def float64_throughout(model: nn.Module) -> None:
     """Make a float64 model compute in float64 everywhere, for reference numerics (the pinned
     regression test): transformers computes RoPE tables and RMSNorm statistics in float32 whatever
@@ -219,7 +225,7 @@ def float64_throughout(model: nn.Module) -> None:
         if getattr(mod, "rope_type", None) != "default" or not hasattr(mod, "inv_freq") or cfg is None:
             continue
         base = cfg.rope_parameters["rope_theta"]
-        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dim = head_size(cfg)
         inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         mod.register_forward_hook(partial(_float64_rope, inv_freq=inv), with_kwargs=True)
 

@@ -41,6 +41,7 @@ from opsd.errors import TrainingError, UserError
 from opsd.models import (
     CPU_ACTIVATION_BUDGET,
     base_model,
+    head_size,
     lora_folded,
     merged_weight_names,
     merged_weights,
@@ -417,7 +418,7 @@ def cpu_kv_cache_bytes(config, dtype: str, max_num_seqs: int | None, max_model_l
         heads = int(config.num_attention_heads)
         layers = int(config.num_hidden_layers)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or int(config.hidden_size) // heads)
+        head_dim = head_size(config)
         width = torch.finfo(getattr(torch, dtype)).bits // 8
     except (AttributeError, TypeError, ValueError):
         return None

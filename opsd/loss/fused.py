@@ -152,11 +152,9 @@ def _divergence_chunk(
     # In place where a block is not read again: the chunk's peak memory is its count of [c, V] blocks.
     if beta == 0.0:  # ell = P (log P - log S)
         d = log_p.sub_(log_s)
-        del log_s
         ell, raw = _terms(p, d, entry, overwrite_d=True)
     elif beta == 1.0:  # ell = S (log S - log P)
         d = log_s.sub_(log_p)
-        del log_p
         ell, raw = _terms(s, d, entry)
     else:  # ell = beta P (log P - log M) + (1-beta) S (log S - log M)
         log_m = torch.lerp(s, p, beta).clamp_min_(torch.finfo(s.dtype).tiny).log_()
