@@ -16,7 +16,7 @@ import os
 import random
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -41,6 +41,7 @@ from opsd.errors import TrainingError, UserError
 from opsd.models import (
     CPU_ACTIVATION_BUDGET,
     base_model,
+    fixed_weight_names,
     head_size,
     lora_folded,
     merged_weight_names,
@@ -379,6 +380,47 @@ def check_weight_coverage(
         )
 
 
+def weights_to_resend(
+    names: Iterable[str], fixed: set[str], vllm_params: Iterable[str], packed: Mapping[str, list[str]]
+) -> list[str]:
+    """Of the checkpoint-named tensors `names`, those a sync into an engine that already holds the
+    `fixed` ones must send: every tensor not fixed, and every tensor of a vLLM layer that has one not
+    fixed. vLLM's layer-wise reload rebuilds a layer from all its tensors, and keeps a layer that gets
+    none as it was; so a LoRA run resends its adapted layers whole (a q_proj adapter resends k_proj
+    and v_proj into the packed qkv_proj, and a frozen bias beside them) and skips the embedding and
+    the norms."""
+    sources: dict[str, set[str]] = {}
+    for p in vllm_params:
+        sources.setdefault(p.rpartition(".")[0], set()).update(_source_names(p, packed))
+    send = {n for n in names if n not in fixed}
+    for layer in sources.values():
+        if layer - fixed:
+            send |= layer
+    return [n for n in names if n in send]
+
+
+class _SkippedLayersFilter(logging.Filter):
+    """Drops vLLM's warnings about layers a partial sync left out on purpose (weights_to_resend)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return "Failed to load weights" not in text and "were not loaded from checkpoint" not in text
+
+
+@contextmanager
+def _quiet_skipped_layers() -> Iterator[None]:
+    quiet = _SkippedLayersFilter()
+    where = "vllm.model_executor.model_loader.reload"
+    loggers = [logging.getLogger(f"{where}.{m}") for m in ("layerwise", "inplace")]
+    for lg in loggers:
+        lg.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(quiet)
+
+
 @contextmanager
 def _rng_scope(seed: int | None, cuda_device: torch.device | None) -> Iterator[None]:
     """Runs the block on the global RNGs seeded with `seed`, then gives the caller its own back.
@@ -562,29 +604,41 @@ class VLLMEngine:
         with _rng_scope(None, self._cuda):  # LLM() reseeds the global generators
             self.llm = vllm.LLM(**kwargs)
         self._vllm_params, self._packed = self.llm.apply_model(_vllm_param_info)[0]
+        self._loaded_whole = None  # the model whose every weight vLLM holds now
         self._load(model)  # also checks coverage now rather than after the first training step
 
     # -- weights -----------------------------------------------------------------------------
 
-    def _load(self, model) -> None:
+    def _load(self, model, *, whole: bool = True) -> None:
         """Streams the merged weights into vLLM one tensor at a time: each merged LoRA matrix (or, under
-        FSDP2, each gathered full tensor) exists only until vLLM has copied it into its own layer."""
+        FSDP2, each gathered full tensor) exists only until vLLM has copied it into its own layer.
+
+        ``whole=False``, for the model the engine last loaded whole: only the layers training can have
+        changed (weights_to_resend). In a LoRA run on a CPU that skips the embedding's copy and vLLM's
+        repacking of it, a third of the sync (docs/benchmarks.md)."""
         names = merged_weight_names(model)
         check_weight_coverage(names, self._vllm_params, self._packed)
+        if not whole and model is self._loaded_whole:
+            fixed = fixed_weight_names(model)
+            names = weights_to_resend(names, fixed, self._vllm_params, self._packed)
+        skip = set(merged_weight_names(model)) - set(names)
         sent: list[str] = []
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in merged_weights(model):  # HF names, LoRA folded in out of place
+            for name, t in merged_weights(model, skip):  # HF names, LoRA folded in out of place
                 sent.append(name)
                 yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)  # FSDP2 shards
 
-        self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True}
-        )
+        with _quiet_skipped_layers() if skip else nullcontext():
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True}
+            )
         if len(sent) != len(names):
             raise RuntimeError(
                 f"vLLM read {len(sent)} of {len(names)} weights; first unread: {names[len(sent)]}"
             )
+        if not skip:
+            self._loaded_whole = model
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def sync_weights(self, model) -> None:
@@ -593,13 +647,15 @@ class VLLMEngine:
         if self.asleep:
             self._reload_on_wake = True
         else:
-            self._load(model)
+            self._load(model, whole=False)
 
     def sleep(self) -> None:
         if self.sleep_level and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = True
             self._reload_on_wake = self.sleep_level == 2  # level 2 discarded the weights
+            if self._reload_on_wake:
+                self._loaded_whole = None
 
     def wake(self) -> None:
         """vLLM maps its memory outside PyTorch's caching allocator, so what the training step left

@@ -172,6 +172,7 @@ class FakeLLM:
     def __init__(self, hf_names: list[str], log: list, **kwargs) -> None:
         self.kwargs, self.log, self.model = kwargs, log, FakeVLLMModel(hf_names)
         self.loaded: dict[str, torch.Tensor] = {}
+        self.syncs: list[list[str]] = []  # the names each reload_weights call received
         self.group_at_init = (
             dist.is_initialized() and dist.get_backend(),
             os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
@@ -189,8 +190,10 @@ class FakeLLM:
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.log.append(("rpc", method))
         assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
+        self.syncs.append([])
         for name, t in kwargs["weights_iterator"]:
             self.loaded[name] = t.clone()
+            self.syncs[-1].append(name)
 
     def reset_prefix_cache(self):
         self.log.append(("reset_prefix_cache",))

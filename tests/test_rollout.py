@@ -21,7 +21,9 @@ from opsd.rollout import (
     RolloutEngine,
     SamplingParams,
     check_weight_coverage,
+    weights_to_resend,
 )
+from opsd.tiny import build_tiny_model
 
 PROMPTS = ["What is 3 + 4?", "1", "Compute 12 * 7 and explain step by step.", "a b"]
 
@@ -416,6 +418,60 @@ def test_vllm_lora_sync_sends_merged_base_weights(fake_vllm, tiny_model, tiny_to
     for k, v in lora.merge_and_unload().state_dict().items():
         # exact: both add the same get_delta_weight() to the same base weight
         torch.testing.assert_close(loaded[k], v, rtol=0, atol=0)
+
+
+def test_vllm_lora_resync_sends_only_the_layers_training_changes(fake_vllm, tiny_model, tiny_tokenizer):
+    """After a whole load, a sync of the same LoRA model resends only its adapted layers, whole: a q_proj
+    adapter resends k_proj and v_proj (vLLM packs the three into qkv_proj and rebuilds it from all
+    three); the embedding, norms and MLP are left as vLLM holds them. The values are still exactly the
+    merged model's. Another model object, or a wake after a level-2 sleep, loads everything again."""
+    peft = pytest.importorskip("peft")
+    names = list(tiny_model.state_dict())
+    cfg = peft.LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj"], lora_dropout=0.0)
+    lora = peft.get_peft_model(tiny_model, cfg)
+    engine = vllm_engine(lora, tiny_tokenizer)
+    llm = fake_vllm.llms[0]
+    assert llm.syncs == [names]
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    engine.sync_weights(lora)
+    attn = [n for n in names if any(f".{m}." in n for m in ("q_proj", "k_proj", "v_proj"))]
+    assert llm.syncs[1] == attn and len(attn) == 3 * tiny_model.config.num_hidden_layers
+    engine.sleep()  # level 2 discards vLLM's weights
+    engine.wake()
+    assert llm.syncs[2] == names
+    engine.sync_weights(build_tiny_model(tiny_tokenizer, seed=1).requires_grad_(False))
+    assert llm.syncs[3] == names  # not the model vLLM last loaded whole: everything
+    engine.sync_weights(lora)
+    assert llm.syncs[4] == names
+    for k, v in lora.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(llm.loaded[k], v, rtol=0, atol=0)  # exact: the same additions
+
+
+def test_weights_to_resend_keeps_adapted_layers_whole():
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    layer = "model.layers.0"
+    vllm_params = [
+        "model.embed_tokens.weight",
+        f"{layer}.self_attn.qkv_proj.weight",
+        f"{layer}.self_attn.qkv_proj.bias",
+        f"{layer}.self_attn.o_proj.weight",
+        f"{layer}.mlp.gate_up_proj.weight",
+        f"{layer}.input_layernorm.weight",
+    ]
+    qkv = ("q_proj", "k_proj", "v_proj")
+    attn = [f"{layer}.self_attn.{m}.{leaf}" for leaf in ("weight", "bias") for m in qkv]
+    mlp = [f"{layer}.mlp.gate_proj.weight", f"{layer}.mlp.up_proj.weight"]
+    names = ["model.embed_tokens.weight", *attn, f"{layer}.self_attn.o_proj.weight", *mlp]
+    # lm_head: tied, so vLLM has no parameter of that name
+    names += [f"{layer}.input_layernorm.weight", "lm_head.weight"]
+    changed = {f"{layer}.self_attn.q_proj.weight", f"{layer}.mlp.up_proj.weight"}
+    fixed = set(names) - changed
+    assert weights_to_resend(names, fixed, vllm_params, packed) == attn + mlp
+    assert weights_to_resend(names, set(), vllm_params, packed) == names
+    assert weights_to_resend(names, set(names), vllm_params, packed) == []
 
 
 def test_vllm_coverage_check_refuses_a_partial_sync(fake_vllm, monkeypatch, tiny_model, tiny_tokenizer):

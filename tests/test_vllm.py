@@ -169,6 +169,8 @@ def test_coverage_check_fails_loudly(engine, assets, base_model, monkeypatch):
 
 
 def test_lora_merged_sync_equals_merge_and_unload(engine, assets, base_model):
+    """A LoRA model's sync, whole and then of its adapted layers only (weights_to_resend), leaves vLLM
+    generating what the merged model computes."""
     peft = pytest.importorskip("peft")
     prompts = assets["prompts"]
     cfg = peft.LoraConfig(
@@ -180,7 +182,12 @@ def test_lora_merged_sync_equals_merge_and_unload(engine, assets, base_model):
             if "lora_B" in n:
                 p.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
     base_out = _greedy(engine, prompts)
-    engine.sync_weights(lora)
+    engine.sync_weights(lora)  # a model the engine has not loaded: every weight
+    with torch.no_grad():  # the next step's adapter
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-1)
+    engine.sync_weights(lora)  # the same model again: its adapted layers only, the rest kept by vLLM
     greedy = _greedy(engine, prompts)
     sampled = engine.generate(prompts, 2, SamplingParams(max_new_tokens=8, seed=2))
     merged = lora.merge_and_unload()
