@@ -127,9 +127,15 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.child:
+        import torch
+
         work = Work(**json.loads(args.work.read_text()))
+        # The float32 product rate before and after: a rate that moved means the VM's share of its host
+        # moved during the run, which the load average inside the VM does not show.
+        rate_before = _common.matmul_rate(torch.float32)
         steps, info = (_run_opsd if args.child == "opsd" else _run_trl)(work)
-        args.result.write_text(json.dumps({"steps": steps, **info}))
+        rates = {"rate_before": rate_before, "rate_after": _common.matmul_rate(torch.float32)}
+        args.result.write_text(json.dumps({"steps": steps, **info, **rates}))
         return
 
     if args.smoke:
@@ -266,8 +272,14 @@ def _run_line(run: dict) -> str:
     return (
         f"--- {run['side']} {run['dtype']}: {s['ms_per_token']:.2f} ms/token outside generation, step "
         f"{s['step_s']:.2f} s, rollout {s['rollout_tok_s']:.1f} tok/s, peak RSS {run['peak_rss_gib']:.2f} "
-        f"GiB, load {run['load_before']:.2f} -> {run['load_after']:.2f}"
+        f"GiB, load {run['load_before']:.2f} -> {run['load_after']:.2f}, float32 product "
+        f"{_rates(run)} GFLOP/s"
     )
+
+
+def _rates(run: dict) -> str:
+    """The child's float32 product rate before -> after its run (SmolLM2's MLP shape)."""
+    return f"{run.get('rate_before', float('nan')):.0f} → {run.get('rate_after', float('nan')):.0f}"
 
 
 def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
@@ -299,8 +311,8 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
         "",
         "| run | dtype | load before → after | completion tokens | rollout (s) | teacher (s) | student "
         "fwd+bwd (s) | loss (s) | optimizer (s) | whole step (s) | ms / completion token outside generation "
-        "| rollout tokens/s | peak RSS (GiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rollout tokens/s | peak RSS (GiB) | float32 product before → after (GFLOP/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         s = _summary(r)
@@ -311,7 +323,7 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
         lines.append(
             f"| {name} | {r['dtype']} | {r['load_before']:.2f} → {r['load_after']:.2f} | {s['tokens']} | "
             f"{cells} | {s['step_s']:.2f} | {s['ms_per_token']:.2f} | {s['rollout_tok_s']:.1f} | "
-            f"{r['peak_rss_gib']:.2f} |"
+            f"{r['peak_rss_gib']:.2f} | {_rates(r)} |"
         )
     lines += [
         "",
