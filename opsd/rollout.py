@@ -614,14 +614,14 @@ class VLLMEngine:
         FSDP2, each gathered full tensor) exists only until vLLM has copied it into its own layer.
 
         ``whole=False``, for the model the engine last loaded whole: only the layers training can have
-        changed (weights_to_resend). In a LoRA run on a CPU that skips the embedding's copy and vLLM's
-        repacking of it, a third of the sync (docs/benchmarks.md)."""
-        names = merged_weight_names(model)
-        check_weight_coverage(names, self._vllm_params, self._packed)
+        changed (weights_to_resend). In a LoRA run that skips the embedding's copy and vLLM's repacking
+        of it (docs/vllm.md, "Only what training changes")."""
+        every = merged_weight_names(model)
+        check_weight_coverage(every, self._vllm_params, self._packed)
+        names = every
         if not whole and model is self._loaded_whole:
-            fixed = fixed_weight_names(model)
-            names = weights_to_resend(names, fixed, self._vllm_params, self._packed)
-        skip = set(merged_weight_names(model)) - set(names)
+            names = weights_to_resend(every, fixed_weight_names(model), self._vllm_params, self._packed)
+        skip = set(every) - set(names)
         sent: list[str] = []
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
