@@ -434,11 +434,9 @@ def merged_weights(model: nn.Module, skip: Container[str] = ()) -> Iterator[tupl
         if name in skip:
             continue
         value, mod = state[key].detach(), lora.get(name)
-        if mod is None or isinstance(value, DTensor):  # a shard's sum stays a DTensor (the caller gathers)
-            out = None
-        else:
-            out = torch.empty(value.shape, dtype=value.dtype, device=value.device)
         if mod is not None:
+            local = not isinstance(value, DTensor)  # a shard's sum stays a DTensor, which the caller gathers
+            out = torch.empty(value.shape, dtype=value.dtype, device=value.device) if local else None
             value = _plus_deltas(value, mod, name, out=out)
         yield name, value.contiguous()  # a column-major frozen weight (frozen_weights_for_cpu) is copied
 

@@ -399,17 +399,15 @@ def weights_to_resend(
     return [n for n in names if n in send]
 
 
-class _SkippedLayersFilter(logging.Filter):
-    """Drops vLLM's warnings about layers a partial sync left out on purpose (weights_to_resend)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        return "Failed to load weights" not in text and "were not loaded from checkpoint" not in text
+def _not_about_skipped_layers(record: logging.LogRecord) -> bool:
+    """False for vLLM's warnings about layers a partial sync left out on purpose (weights_to_resend)."""
+    text = record.getMessage()
+    return "Failed to load weights" not in text and "were not loaded from checkpoint" not in text
 
 
 @contextmanager
 def _quiet_skipped_layers() -> Iterator[None]:
-    quiet = _SkippedLayersFilter()
+    quiet = _not_about_skipped_layers
     where = "vllm.model_executor.model_loader.reload"
     loggers = [logging.getLogger(f"{where}.{m}") for m in ("layerwise", "inplace")]
     for lg in loggers:
