@@ -1,24 +1,21 @@
-"""The student pass under three OpenMP waiting policies: what a sleeping thread costs per operator.
+"""The student pass at 1 and 8 rows per micro-batch, under three OpenMP waiting policies.
 
-opsd runs a CPU step's student forward + backward one or two samples per micro-batch (the 512 MiB
-activation budget), and every operator of a pass is an OpenMP parallel region. With
-``OMP_WAIT_POLICY=PASSIVE`` the second thread sleeps at the end of each region and the next one must
-wake it; on a VM the idle virtual CPU halts and the wake goes through the host. This script times
-the same work (8 student rows of SmolLM2-135M-Instruct with LoRA r=16 on all seven projections,
-270 tokens each, the last 128 as response positions, forward to the final hidden states and
-backward) at 1 and at 8 rows per micro-batch, under:
+opsd's CPU default (a 512 MiB activation budget) runs the student's forward + backward one sample
+per micro-batch, and every operator of a pass is an OpenMP parallel region: eight one-row passes
+dispatch eight times the operators of one eight-row pass for the same FLOPs. This script times the
+same work (8 student rows of SmolLM2-135M-Instruct with LoRA r=16 on all seven projections, 270
+tokens each, the last 128 as response positions, forward to the final hidden states and backward)
+at 1 and at 8 rows per micro-batch, under:
 
-* ``passive``: ``OMP_WAIT_POLICY=PASSIVE``, no spinning (the benchmarks' rule, and what ``opsd``'s
-  command line chose before);
-* ``short-spin``: ``OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000`` (what ``opsd``'s command line sets
-  now when neither is set): a thread spins about 1,000 pause instructions, then sleeps;
+* ``passive``: ``OMP_WAIT_POLICY=PASSIVE``, no spinning (the benchmarks' rule, and ``opsd``'s
+  command line's default): a thread sleeps at the end of each region and the next one wakes it;
+* ``short-spin``: ``OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000``: about 1,000 pauses, then sleep;
 * ``default``: neither set (libgomp spins ~300,000 times before it sleeps).
 
 Each (policy, rows) is its own process, started at a 1-minute load below 0.5 (``--wait-idle``);
 the load and the float32 product rate are read before and after. It also counts the operators one
-pass dispatches (an untimed pass under a dispatch counter), so the time per operator that the
-policy adds can be read off. Here the policy is the variable, so the rule's ``PASSIVE`` is not
-forced on the other two.
+pass dispatches (an untimed pass under a dispatch counter). Here the policy is a variable, so the
+rule's ``PASSIVE`` is not forced on the other two.
 
     python bench/omp_wait.py --wait-idle          # writes docs/benchmarks.md
     python bench/omp_wait.py --smoke              # 2 rows of 32 tokens, 1 repeat; writes nothing

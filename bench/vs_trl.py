@@ -386,8 +386,14 @@ def _prompt_check(runs: list[dict]) -> str:
 
 
 def _machine(info: dict) -> str:
-    """The children's machine line (this process imports no torch) and their library versions."""
-    return f"{info['machine']}, transformers {info['transformers']}, peft {info['peft']}"
+    """The children's machine line (this process imports no torch), their library versions, and how
+    their OpenMP threads wait (the same for both sides: bench/omp_wait.py shows it matters)."""
+    waiting = ", ".join(
+        f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ
+    )
+    return (
+        f"{info['machine']}, transformers {info['transformers']}, peft {info['peft']}; both sides {waiting}"
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import MutableMapping
 from pathlib import Path
 
 from opsd import __version__
@@ -126,24 +125,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def openmp_waiting(env: MutableMapping[str, str]) -> None:
-    """Choose how OpenMP's idle threads wait, unless the user chose: set before torch starts OpenMP.
-
-    libgomp's default spins ~300,000 pauses before sleeping, which made CPU steps several times slower
-    whenever anything else shared the cores. Sleeping at once (``PASSIVE`` alone) makes every operator
-    wake the other thread, which on a 2-core VM made a LoRA student pass 2-3x slower on an idle
-    machine (docs/benchmarks.md, bench/omp_wait.py). A short spin (1,000 pauses, microseconds)
-    bridges the gap between one operator and the next and then sleeps. A user's own
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is left as it is.
-    """
-    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
-        return
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
-    env["GOMP_SPINCOUNT"] = "1000"
-
-
 def main(argv: list[str] | None = None) -> int:
-    openmp_waiting(os.environ)
+    # Before torch starts OpenMP: spin-waiting threads (the default) made CPU steps several times
+    # slower whenever anything else shared the cores (measured in docs/benchmarks.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)

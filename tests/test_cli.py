@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from opsd import __version__
-from opsd.cli import COMMANDS, build_parser, main, openmp_waiting
+from opsd.cli import COMMANDS, build_parser, main
 
 
 def test_version_and_help_without_heavy_imports():
@@ -34,23 +33,3 @@ def test_each_subcommand_builds_and_has_help(name, capsys):
         parser.parse_args([name, "--help"])
     assert e.value.code == 0
     assert "usage: opsd " + name in capsys.readouterr().out
-
-
-def test_openmp_waiting_is_a_short_spin_unless_the_user_chose():
-    env: dict[str, str] = {}
-    openmp_waiting(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}
-    for chosen in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}):
-        env = dict(chosen)
-        openmp_waiting(env)
-        assert env == chosen
-
-
-def test_the_command_sets_openmp_waiting_before_torch_loads():
-    code = (
-        "import os, sys, opsd.cli; opsd.cli.main([]); "
-        "print('torch' in sys.modules, os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'])"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.strip().splitlines()[-1] == "False PASSIVE 1000"
