@@ -108,19 +108,6 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def available_ram(meminfo: str = "/proc/meminfo") -> int | None:
-    """Bytes of RAM the kernel could give this process now without swapping (``MemAvailable``), or
-    None where that is not known (not Linux, or a kernel older than 3.14)."""
-    try:
-        with open(meminfo) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file says kB and means KiB
-    except OSError:
-        return None
-    return None
-
-
 def release_freed_memory(device: torch.device) -> bool:
     """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``) when ``device`` is a CPU: the
     trainer calls it after generation and after each step.

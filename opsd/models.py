@@ -16,7 +16,6 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from opsd.devices import available_ram
 from opsd.errors import UserError
 from opsd.fetch import (
     CHATML_SPECIAL_TOKENS,
@@ -543,21 +542,13 @@ def microbatch_budget(
     device: torch.device,
     checkpointing: bool,
     reserve: int = 0,
-    *,
-    vllm_in_process: bool = False,
 ) -> tuple[int, str]:
     """``optim.max_tokens_per_microbatch: auto``: as many tokens as keep the student's saved activations
     within a quarter of the accelerator's free memory less ``reserve`` bytes (what the step will take
     that is not allocated yet: AdamW's state), or within 512 MiB on a CPU (where generation, the data
     and the OS share the RAM; a SmolLM2-135M LoRA step peaks at 1.89-1.98 GiB RSS there, 2.87 GiB at
     1 GiB before the trainer trimmed the heap, docs/benchmarks.md). Between 256 and 16,384
-    tokens. Measure it with any vLLM engine asleep. Returns the budget and the reason (a notice).
-
-    ``vllm_in_process`` on a CPU: a quarter of the RAM available (this rank's share of it under
-    torchrun) less ``reserve``, as on a GPU. vLLM's
-    KV cache and weight copy already hold the process above the 2 GiB that 512 MiB keeps a whole
-    HF-engine step under, and one-sample micro-batches ran the student pass at about half the speed of
-    eight-sample ones (docs/benchmarks.md, bench/omp_wait.py)."""
+    tokens. Measure it with any vLLM engine asleep. Returns the budget and the reason (a notice)."""
     if setting != "auto":
         return int(setting), "set in the config"
     per_token = activation_bytes_per_token(config, dtype, checkpointing)
@@ -566,13 +557,6 @@ def microbatch_budget(
         room, where = (
             free // 4,
             f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state",
-        )
-    elif vllm_in_process and (ram := available_ram()) is not None:
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks here share the RAM
-        free = max(0, ram // local_ranks - reserve)
-        room, where = (
-            free // 4,
-            f"a quarter of the {free / 2**30:.1f} GiB of RAM available after AdamW's state, vLLM resident",
         )
     else:
         room, where = CPU_ACTIVATION_BUDGET, "512 MiB on the CPU"

@@ -470,45 +470,6 @@ def test_microbatch_budget_auto_from_model_size():
     assert microbatch_budget(4096, smol, torch.float32, cpu, False) == (4096, "set in the config")
 
 
-def test_microbatch_budget_on_a_cpu_with_vllm_in_process_is_a_quarter_of_the_available_ram(monkeypatch):
-    """vLLM in the process already holds more than the HF engine's 2 GiB step: the budget follows the
-    RAM left, as on a GPU, shared by torchrun's local ranks, after the reserve; unknown RAM: 512 MiB."""
-    from types import SimpleNamespace
-
-    import opsd.models as models_mod
-
-    smol = SimpleNamespace(hidden_size=576, num_hidden_layers=30, intermediate_size=1536)
-    cpu = torch.device("cpu")
-    per_token = models_mod.activation_bytes_per_token(smol, torch.float32, False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(models_mod, "available_ram", lambda: 9 << 30)
-    tokens, why = models_mod.microbatch_budget(
-        "auto", smol, torch.float32, cpu, False, 1 << 30, vllm_in_process=True
-    )
-    assert tokens == (8 << 30) // 4 // per_token == 1456 and "8.0 GiB of RAM available" in why
-    assert models_mod.microbatch_budget("auto", smol, torch.float32, cpu, False, 1 << 30)[0] == 364
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    tokens, _ = models_mod.microbatch_budget(
-        "auto", smol, torch.float32, cpu, False, 1 << 30, vllm_in_process=True
-    )
-    assert tokens == ((9 << 30) // 2 - (1 << 30)) // 4 // per_token
-    monkeypatch.setattr(models_mod, "available_ram", lambda: None)
-    assert (
-        models_mod.microbatch_budget("auto", smol, torch.float32, cpu, False, vllm_in_process=True)[0] == 364
-    )
-
-
-def test_available_ram_reads_memavailable(tmp_path):
-    from opsd.devices import available_ram
-
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n")
-    assert available_ram(str(meminfo)) == 2048 * 1024
-    meminfo.write_text("MemTotal:       24000000 kB\n")
-    assert available_ram(str(meminfo)) is None
-    assert available_ram(str(tmp_path / "missing")) is None
-
-
 # --- tiny tokenizer and model -----------------------------------------------------------------
 
 

@@ -483,29 +483,3 @@ def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, t
     tr.forward_backward = spy
     tr.train()
     assert calls == ["trim cpu", "micro-batches", "trim cpu"] * 2
-
-
-def test_vllm_in_process_on_a_cpu_sizes_micro_batches_from_the_available_ram(
-    fake_vllm, assets, tmp_path, monkeypatch
-):
-    """rollout.engine=vllm on a CPU: the auto budget is a quarter of the RAM available after AdamW's
-    state (here made small enough to bind below the 16,384-token cap); the HF engine keeps 512 MiB."""
-    import opsd.models as models_mod
-
-    real = models_mod.microbatch_budget
-    ram: dict[str, int] = {}
-
-    def with_ram_for_300_tokens(setting, config, dtype, *a, **kw):
-        per_token = models_mod.activation_bytes_per_token(config, dtype, False)
-        ram["bytes"] = kw["reserve"] + 4 * 300 * per_token
-        return real(setting, config, dtype, *a, **kw)
-
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.setattr(models_mod, "available_ram", lambda: ram["bytes"])
-    monkeypatch.setattr(models_mod, "microbatch_budget", with_ram_for_300_tokens)
-    tr = Trainer(make_cfg(assets, tmp_path / "vllm", **{"rollout.engine": "vllm"}))
-    assert tr.mb_tokens == 300
-    tr.close()
-    tr = Trainer(make_cfg(assets, tmp_path / "hf"))
-    assert tr.mb_tokens == 16384  # 512 MiB of a tiny model's activations: the cap
-    tr.close()
