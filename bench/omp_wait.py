@@ -69,6 +69,12 @@ def main() -> None:
         print(json.dumps(_child(args.rows, args.child, args.seq_len, args.response, args.repeats)))
         return
 
+    from opsd.fetch import cached_model_path  # light: no torch
+
+    if cached_model_path("smollm2-135m-instruct") is None:
+        sys.exit("SmolLM2 is not fetched: run `opsd fetch-model smollm2-135m-instruct` first")
+    if bad := [p for p in args.policies.split(",") if p not in POLICIES]:
+        sys.exit(f"--policies: {bad} not among {', '.join(POLICIES)}")
     runs = []
     for name in args.policies.split(","):
         for per_mb in (1, args.rows):
@@ -93,8 +99,11 @@ def _run(policy: str, per_mb: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", str(per_mb), "--policy", policy, "--rows", str(args.rows)]
     cmd += ["--seq-len", str(args.seq_len), "--response", str(args.response), "--repeats", str(args.repeats)]
     load_before = _common.load_avg()
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    res = json.loads(out.strip().splitlines()[-1])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        sys.exit(f"the {policy} run at {per_mb} rows per micro-batch failed (exit {proc.returncode})")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
     load_after = _common.load_avg()
     return {"policy": policy, "per_mb": per_mb, **res, "load_before": load_before, "load_after": load_after}
 

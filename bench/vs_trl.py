@@ -387,7 +387,7 @@ def _prompt_check(runs: list[dict]) -> str:
 
 def _machine(info: dict) -> str:
     """The children's machine line (this process imports no torch), their library versions, and how
-    their OpenMP threads wait (the same for both sides: bench/omp_wait.py shows it matters)."""
+    their OpenMP threads wait (the same for both sides; recorded because it can move CPU timings)."""
     waiting = ", ".join(
         f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ
     )
