@@ -407,16 +407,15 @@ def _not_about_skipped_layers(record: logging.LogRecord) -> bool:
 
 @contextmanager
 def _quiet_skipped_layers() -> Iterator[None]:
-    quiet = _not_about_skipped_layers
     where = "vllm.model_executor.model_loader.reload"
     loggers = [logging.getLogger(f"{where}.{m}") for m in ("layerwise", "inplace")]
     for lg in loggers:
-        lg.addFilter(quiet)
+        lg.addFilter(_not_about_skipped_layers)
     try:
         yield
     finally:
         for lg in loggers:
-            lg.removeFilter(quiet)
+            lg.removeFilter(_not_about_skipped_layers)
 
 
 @contextmanager
