@@ -73,6 +73,7 @@ class Work:
         str  # weights: load the model in bf16 (as opsd's model.dtype); autocast: fp32 weights, bf16=True
     )
     opsd_engine: str  # rollout.engine for opsd (auto: vLLM where installed, else HF)
+    opsd_set: list[str]  # extra opsd config overrides (--opsd-set), after the shared settings
 
 
 # --------------------------------------------------------------------------------------------------
@@ -96,6 +97,13 @@ def main() -> None:
         "is ~25x slower and says nothing about either trainer)",
     )
     ap.add_argument("--opsd-engine", default="auto", choices=("auto", "hf", "vllm"))
+    ap.add_argument(
+        "--opsd-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an opsd config override on top of the shared settings, e.g. model.compile=true (repeatable)",
+    )
     ap.add_argument("--sides", default="opsd,trl", help="which trainers to run (comma-separated)")
     ap.add_argument("--repeats", type=int, default=1, help="run each (side, dtype) this many times")
     ap.add_argument("--rows-per-step", type=int, default=8)
@@ -176,6 +184,7 @@ def main() -> None:
                     run_dir=str(tmp / f"{side}-{dtype}-{rep}"),
                     trl_bf16=args.trl_bf16,
                     opsd_engine=args.opsd_engine,
+                    opsd_set=args.opsd_set,
                 )
                 if args.wait_idle:
                     if _common.wait_for_idle(LOAD_LIMIT, args.idle_timeout) >= LOAD_LIMIT:
@@ -290,6 +299,7 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
         "weights": "loads the model in bf16",
         "autocast": "autocasts fp32 weights (bf16=True)",
     }[args.trl_bf16]
+    opsd_set = f", with {', '.join(f'`{x}`' for x in args.opsd_set)}" if args.opsd_set else ""
     lines = [
         f"Machine: {_machine(info)}.",
         "",
@@ -304,10 +314,10 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
         f"1 warm-up step, {steps} measured. TRL {info.get('trl', '?')} `SDFTTrainer` "
         "(distillation_mode=full_logits, distillation_alpha=0, teacher_model_kind=base, "
         f"per_device_train_batch_size={args.rows_per_step}, "
-        f"num_generations=1, use_cpu); its bf16 run {trl_bf16}. opsd at its default micro-batch budget. Each "
-        "run is its own process; peak RSS includes loading. Times are medians over the measured steps; the "
-        "sides sample different responses, so compare per token. Rollout engines: "
-        f"{_engines(runs)}.",
+        f"num_generations=1, use_cpu); its bf16 run {trl_bf16}. opsd at its default micro-batch "
+        f"budget{opsd_set}. Each run is its own process; peak RSS includes loading. Times are medians "
+        "over the measured steps; the sides sample different responses, so compare per token. Rollout "
+        f"engines: {_engines(runs)}.",
         "",
         "| run | dtype | load before → after | completion tokens | rollout (s) | teacher (s) | student "
         "fwd+bwd (s) | loss (s) | optimizer (s) | whole step (s) | ms / completion token outside generation "
@@ -445,6 +455,7 @@ def _run_opsd(w: Work) -> tuple[list[dict], dict]:
             "logging.sample_every=0",
             "device=cpu",
             f"seed={SEED}",
+            *w.opsd_set,
         ],
     )
     trainer = Trainer(cfg)

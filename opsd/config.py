@@ -51,6 +51,10 @@ class ModelConfig(_Section):
     pure_bf16: bool = False  # full fine-tuning in bf16 with bf16 weights and AdamW state: no fp32 master copy
     attn_implementation: str | None = "sdpa"
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (inductor, dynamic shapes) for the teacher and student passes;
+    # generation stays eager. About a minute compiling at the first step; one process only (not under
+    # torchrun); on a CPU it needs a C++ compiler. docs/benchmarks.md has what it buys.
+    compile: bool = False
     lora: LoraConfig = LoraConfig()
 
 

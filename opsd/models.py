@@ -330,6 +330,41 @@ def portable_lora_init(model: nn.Module) -> None:
             w.copy_((u / w.shape[1] ** 0.5).to(w.dtype))
 
 
+def compile_layers(*models: nn.Module | None) -> int:
+    """``model.compile``: ``torch.compile`` each decoder layer in place, dynamic shapes (a micro-batch's
+    rows and length change every step). Per layer, not the whole model: every layer runs one graph
+    (their weights are its inputs), so it compiles in about a minute, and the masks and the index of
+    the response positions stay eager. The teacher (adapter off) and the student (adapter on) get a
+    graph each. Returns the layers compiled; a model without a ``layers`` list gets a UserError."""
+    count = 0
+    for model in models:
+        if model is None:
+            continue
+        decoder = base_model(model).get_decoder()
+        layers = getattr(decoder, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            name = type(base_model(model)).__name__
+            raise UserError(f"model.compile=true: {name} has no decoder `layers` list; set it false")
+        for layer in layers:
+            layer.compile(dynamic=True)
+        count += len(layers)
+    return count
+
+
+def check_compiler(device: torch.device) -> None:
+    """``model.compile`` on a CPU: inductor writes C++ and needs a compiler to build it."""
+    if device.type != "cpu":
+        return
+    import shutil
+
+    names = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    if not any(name and shutil.which(name) for name in names):
+        raise UserError(
+            "model.compile=true on a CPU needs a C++ compiler (g++ or clang++ on PATH, or CXX); "
+            "install one or set model.compile=false"
+        )
+
+
 # --- the forward the loss needs ---------------------------------------------------------------
 
 

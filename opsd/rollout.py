@@ -262,7 +262,10 @@ class HFEngine:
             # On a CPU, LoRA folded into copies of the weights while generating, where they fit in
             # the activations' budget (free during the rollout): peak RSS stays where training puts it.
             fold = CPU_ACTIVATION_BUDGET if device.type == "cpu" else 0
-            with rng, amp, gathered(self.model), lora_folded(self.model, fold):
+            # Decoding runs eager: layers compiled for training (model.compile) would recompile at
+            # every new cache length.
+            eager = torch.compiler.set_stance("force_eager")
+            with rng, amp, eager, gathered(self.model), lora_folded(self.model, fold):
                 torch.manual_seed(seed)
                 for start in range(0, len(order), self.batch_size):
                     chunk = order[start : start + self.batch_size]

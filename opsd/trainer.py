@@ -26,7 +26,7 @@ from opsd.data.batching import MicroBatch, pad_microbatches
 from opsd.devices import release_freed_memory, resolve_device
 from opsd.distributed import all_reduce_sum
 from opsd.engines import make_engine
-from opsd.errors import TrainingError
+from opsd.errors import TrainingError, UserError
 from opsd.grading import as_grade, resolve_grader
 from opsd.loss import LossStats
 from opsd.objectives import Objective, Scores, make_distillation, make_objective
@@ -141,6 +141,10 @@ class Trainer:
         self.heldout = make_distillation(cfg)
         grader = resolve_grader(cfg.eval.grader, "eval.grader")
         self.eval_grader = lambda response, gold: as_grade(grader(response, gold))
+        if cfg.model.compile:  # refused before anything loads
+            if self.dist.mesh is not None:
+                raise UserError("model.compile=true runs in one process, not under torchrun: set it false")
+            models.check_compiler(self.device)
         # Run directory, data, tokenizer and model: a failure on any rank ends every rank with its message.
         distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
         # Without a teacher term the teacher runs only for eval.divergence: the initial policy where it
@@ -167,6 +171,9 @@ class Trainer:
             )
         if self.dist.mesh is None and self.device.type == "cpu":  # faster CPU GEMMs on frozen weights
             models.frozen_weights_for_cpu(self.model, self.teacher.model)
+        if cfg.model.compile:  # after the weights' last change of layout, which the compiled code assumes
+            n = models.compile_layers(self.model, self.teacher.model)
+            print(f"model.compile: {n} decoder layers compile at the first step", file=sys.stderr)
         self.teacher.start()  # the EMA snapshot, of the student as sharded
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
@@ -499,7 +506,10 @@ class Trainer:
     def autocast(self):
         """bf16 compute over float32 master weights in one process (FSDP2 casts the gathered weights
         itself); around the model forwards only, never the loss."""
-        return precision.autocast(self.precision, self.device) if self.dist.mesh is None else nullcontext()
+        if self.dist.mesh is not None:
+            return nullcontext()
+        adapters = self.model if self.cfg.model.lora.enabled else None
+        return precision.autocast(self.precision, self.device, adapters)
 
     def _fsdp_param_dtype(self) -> torch.dtype | None:
         """FSDP2's compute dtype: parallel.param_dtype, or (auto) model.dtype's when it differs from

@@ -332,3 +332,39 @@ def test_bf16_sft_keeps_float32_masters(assets, tmp_path, capsys):
     assert main(args) == 0
     assert "compute bfloat16 over float32 master weights" in capsys.readouterr().err
     assert AutoModelForCausalLM.from_pretrained(out).dtype == FP32  # the masters are what is saved
+
+
+def test_lora_adapters_compute_in_bf16_over_a_bf16_base(assets, tmp_path):
+    """The adapters' products run in the compute dtype under the trainer's forward context (no float32
+    copy of each layer's input), while the adapters and their gradients stay float32.
+
+    Error model for the hidden states against peft's float32 adapter path: both paths round each
+    layer's output to bf16 (2^-9 relative); they differ in where the small adapter term is rounded
+    (bf16 products against float32 ones), at most a few 2^-9 of a layer's output per layer. Over the
+    tiny model's 2 layers, with room for attention and the norm to amplify it, 2^-5 of max|h|."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    from opsd.models import final_hidden
+
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"model.dtype": "bfloat16", "optim.max_steps": 1}))
+    with torch.no_grad():  # a non-zero adapter, so its term shows in the output
+        for name, p in tr.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn_like(p))
+    layer = next(m for m in tr.model.modules() if isinstance(m, LoraLayer))
+    seen = []
+    hook = layer.lora_A["default"].register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+    ids = torch.randint(3, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    pos = torch.arange(18)
+    with tr.autocast():
+        h = final_hidden(tr.model, ids, mask, pos)
+    h.float().square().mean().backward()
+    hook.remove()
+    assert seen == [(BF16, BF16)]
+    grads = [p.grad for name, p in tr.model.named_parameters() if "lora_" in name]
+    assert grads and all(g is not None and g.dtype == FP32 and g.isfinite().all() for g in grads)
+    assert {p.dtype for name, p in tr.model.named_parameters() if "lora_" in name} == {FP32}
+    with torch.no_grad():
+        ref = final_hidden(tr.model, ids, mask, pos)  # peft's own float32 adapter path
+    assert (h.float() - ref.float()).abs().max() <= 2**-5 * ref.float().abs().max()
