@@ -24,8 +24,11 @@ def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
     weights are the initial ones in both), so the loss and gradient norm differ only by the compiled
     kernels' float32 rounding. Error model: inductor fuses elementwise work and may sum the norms'
     and softmax's reductions in another order, a few float32 roundings (2^-24 relative) per
-    operator; over the tiny model's 2 layers, forward and backward, that is below 1e-5 relative,
-    and 1e-4 is held."""
+    operator; over the tiny model's 2 layers, forward and backward, that is below 1e-5 relative of
+    the gradient norm, and 1e-4 is held. The loss is a divergence near zero (~1e-4), a sum of
+    p log(p / s) terms whose log-probabilities carry those roundings: its absolute error is about
+    2^-24 times the entropy (a few nats) per token, so 1e-6 absolute is added to its bound (a
+    gradient-checkpointed run of this test's setting differed by 5e-9)."""
     generate_stances = []
     from opsd import rollout
 
@@ -46,9 +49,9 @@ def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
     compiled = tr.train()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # something did compile
     assert generate_stances and set(generate_stances) == {"force_eager"}  # decoding runs eager
-    for key in ("loss", "grad_norm"):
+    for key, floor in (("loss", 1e-6), ("grad_norm", 0.0)):
         a, b = eager[0][key], compiled[0][key]
-        assert abs(a - b) <= 1e-4 * abs(a), (key, a, b)
+        assert abs(a - b) <= 1e-4 * abs(a) + floor, (key, a, b)
 
 
 def test_a_model_without_a_layer_list_is_one_line():
