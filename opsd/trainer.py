@@ -505,7 +505,8 @@ class Trainer:
 
     def autocast(self):
         """bf16 compute over float32 master weights in one process (FSDP2 casts the gathered weights
-        itself); around the model forwards only, never the loss."""
+        itself), and LoRA's float32 adapters computing in bf16 over a bf16 base (one process; under
+        torchrun peft's float32 adapter path stays); around the model forwards only, never the loss."""
         if self.dist.mesh is not None:
             return nullcontext()
         adapters = self.model if self.cfg.model.lora.enabled else None
