@@ -6,6 +6,8 @@ seconds on 2 cores)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from helpers import build_assets, make_cfg
@@ -19,6 +21,10 @@ def assets(tmp_path_factory) -> dict:
     return build_assets(tmp_path_factory.mktemp("compile"))
 
 
+HAS_CXX = any(shutil.which(name) for name in ("g++", "c++", "clang++"))
+
+
+@pytest.mark.skipif(not HAS_CXX, reason="inductor needs a C++ compiler on the CPU")
 def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
     """Step 1 of a compiled run against an eager one: the same rollouts (generation is eager and the
     weights are the initial ones in both), so the loss and gradient norm differ only by the compiled
@@ -67,8 +73,6 @@ def test_a_model_without_a_layer_list_is_one_line():
 
 
 def test_no_compiler_is_one_line(monkeypatch):
-    import shutil
-
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(UserError, match="needs a C\\+\\+ compiler"):
