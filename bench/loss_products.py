@@ -97,11 +97,6 @@ def _grad_error(grad: torch.Tensor, ref: torch.Tensor) -> float:
     return (grad.double() - ref).abs().max().item() / ref.abs().max().item()
 
 
-def product_rate(dtype: torch.dtype, rows: int, h: int, v: int, reps: int = 5) -> float:
-    """GFLOP/s of one logit block's product ``[rows, h] x [h, v]`` in ``dtype``."""
-    return _common.matmul_rate(dtype, m=rows, k=h, n=v, reps=reps)
-
-
 def probe_out_dtype() -> str:
     """Whether this torch multiplies bf16 into a float32 output on the CPU in one product."""
     a = torch.ones(2, 2, dtype=torch.bfloat16)
@@ -193,6 +188,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.wait_idle:
         _common.wait_for_idle()
+    load_before = _common.load_avg()
     before = _common.load_avgs(2)
     print(f"load average before: {before}", flush=True)
     shapes = ["SmolLM2-135M"] if args.quick else list(SHAPES)
@@ -202,7 +198,10 @@ def main() -> None:
     for shape in shapes:
         h, v, _ = SHAPES[shape]
         rows_ = auto_chunk_size(v)
-        rates[shape] = (product_rate(torch.float32, rows_, h, v), product_rate(torch.bfloat16, rows_, h, v))
+        # One logit block's product [rows, h] x [h, v] in each dtype.
+        rates[shape] = tuple(
+            _common.matmul_rate(dt, m=rows_, k=h, n=v, reps=5) for dt in (torch.float32, torch.bfloat16)
+        )
         print(f"{shape} product rate: float32 {rates[shape][0]:.0f}, bf16 {rates[shape][1]:.0f} GFLOP/s")
         rows += measure(shape, repeats)
     after = _common.load_avgs(2)
@@ -211,7 +210,7 @@ def main() -> None:
     print(f"one bf16 product with a float32 output on the CPU: {probe}")
     if args.no_write or args.quick:
         return
-    if float(before.split("/")[0]) >= 0.5:
+    if load_before >= 0.5:
         print("started under load (1-minute load >= 0.5): not written", file=sys.stderr)
         sys.exit(1)
     text = render(rows, rates, probe, before, after, _common.describe_machine())
