@@ -23,7 +23,7 @@ from opsd import checkpoint, distributed, metrics, models, parallel, precision
 from opsd.config import Config
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.data.batching import MicroBatch, pad_microbatches
-from opsd.devices import release_freed_memory, resolve_device
+from opsd.devices import release_freed_memory, resolve_device, reuse_freed_memory
 from opsd.distributed import all_reduce_sum
 from opsd.engines import make_engine
 from opsd.errors import TrainingError, UserError
@@ -472,17 +472,19 @@ class Trainer:
         self, batches: list, scores: Scores | None = None, *, timer=None, backward: bool = True
     ) -> tuple[Tensor, LossStats]:
         """This trainer's micro-batch loop (:func:`forward_backward`) with its model, teacher, objective
-        and mixed precision; ``backward=False`` computes the same numbers without gradients."""
-        return forward_backward(
-            self.model,
-            self.teacher if self.objective.uses_teacher else None,
-            batches,
-            self.loss,
-            scores=scores or Scores(),
-            autocast=self.autocast,
-            timer=timer,
-            backward=backward,
-        )
+        and mixed precision; ``backward=False`` computes the same numbers without gradients. On a CPU
+        the loop reuses the heap blocks it frees (:func:`opsd.devices.reuse_freed_memory`)."""
+        with reuse_freed_memory(self.device):
+            return forward_backward(
+                self.model,
+                self.teacher if self.objective.uses_teacher else None,
+                batches,
+                self.loss,
+                scores=scores or Scores(),
+                autocast=self.autocast,
+                timer=timer,
+                backward=backward,
+            )
 
     def loss(
         self,

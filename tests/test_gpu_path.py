@@ -3,6 +3,8 @@ CUDA call it is about. docs/gpu.md lists what is executed, what is read, and wha
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from helpers import build_assets, make_cfg, vllm_engine
@@ -256,3 +258,47 @@ def test_release_freed_memory_trims_on_glibc_only(monkeypatch):
     assert release_freed_memory(torch.device("cuda")) is False
     monkeypatch.setattr(platform, "system", lambda: "Darwin")
     assert release_freed_memory(torch.device("cpu")) is False
+
+
+_REUSE_PROBE = """
+import resource, torch
+from opsd.devices import reuse_freed_memory
+
+def faults_on_second_block():
+    # Above the 32 MiB that glibc's mmap threshold reaches, so normally mapped and unmapped; the second
+    # block is the smaller, as the loss's blocks are at most its first chunk's (an equal size may not
+    # fit the freed one: posix_memalign asks for its alignment on top).
+    torch.empty(48 << 20, dtype=torch.uint8).fill_(1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(40 << 20, dtype=torch.uint8).fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+with reuse_freed_memory(torch.device("cpu")) as on:
+    inside = faults_on_second_block()
+print(on, inside, faults_on_second_block())
+"""
+
+
+@pytest.mark.skipif(
+    not (sys.platform == "linux" and __import__("platform").libc_ver()[0] == "glibc"), reason="glibc only"
+)
+@pytest.mark.parametrize("user_env", [{}, {"MALLOC_MMAP_MAX_": "65536"}])
+def test_reuse_freed_memory_serves_a_freed_block_from_resident_pages(user_env):
+    """Inside the context a 40 MiB block takes the pages of a freed 48 MiB one without page faults; after
+    it, glibc maps and faults it afresh again; a user's own ``MALLOC_*_`` setting turns it off. Its own
+    process: mallopt is process-wide. Error model: filling 40 MiB of fresh pages faults at least once
+    per page, 40 MiB / 2 MiB = 20 times even with transparent huge pages; resident pages fault never,
+    and the probe's own Python and bookkeeping touch far fewer than 20 new pages."""
+    import os
+    import subprocess
+
+    env = {**os.environ, **user_env}
+    res = subprocess.run([sys.executable, "-c", _REUSE_PROBE], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    on, inside, after = res.stdout.split()
+    assert on == ("False" if user_env else "True")
+    assert int(after) >= 20
+    if not user_env:
+        assert int(inside) < 20
+    else:
+        assert int(inside) >= 20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -466,20 +467,28 @@ def test_logprob_check_reuses_the_loss_logits_when_the_temperatures_agree(assets
 
 def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, tmp_path, monkeypatch):
     """On a CPU the trainer trims the C heap once generation is over (before the micro-batch loop reuses
-    it) and once after the step: the order of calls, not a memory figure, is what this can check."""
+    it) and once after the step, and runs the micro-batch loop, and only it, with freed blocks reused:
+    the order of calls, not a memory figure, is what this can check."""
     calls = []
 
     def trim(device) -> None:
         calls.append(f"trim {device.type}")
 
+    @contextlib.contextmanager
+    def reuse(device):
+        calls.append(f"reuse {device.type}")
+        yield True
+        calls.append("reuse ends")
+
     monkeypatch.setattr(trainer_mod, "release_freed_memory", trim)
-    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}))
-    real_fb = tr.forward_backward
+    monkeypatch.setattr(trainer_mod, "reuse_freed_memory", reuse)
+    real_loop = trainer_mod.forward_backward
 
     def spy(*a, **kw):
         calls.append("micro-batches")
-        return real_fb(*a, **kw)
+        return real_loop(*a, **kw)
 
-    tr.forward_backward = spy
+    monkeypatch.setattr(trainer_mod, "forward_backward", spy)
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}))
     tr.train()
-    assert calls == ["trim cpu", "micro-batches", "trim cpu"] * 2
+    assert calls == ["trim cpu", "reuse cpu", "micro-batches", "reuse ends", "trim cpu"] * 2
