@@ -111,6 +111,19 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def available_ram(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of RAM the kernel could give this process now without swapping (``MemAvailable``), or
+    None where that is not known (not Linux, or a kernel older than 3.14)."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file says kB and means KiB
+    except OSError:
+        return None
+    return None
+
+
 def _glibc(device: torch.device) -> ctypes.CDLL | None:
     """The C library whose heap holds ``device``'s tensors: glibc on a Linux CPU, else None."""
     if device.type != "cpu" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from opsd.devices import available_ram
 from opsd.errors import UserError
 from opsd.fetch import (
     CHATML_SPECIAL_TOKENS,
@@ -556,6 +557,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 CPU_ACTIVATION_BUDGET = 512 << 20  # bytes of saved activations per micro-batch on a CPU (auto)
+CPU_ACTIVATION_BUDGET_BESIDE_VLLM = 2 << 30  # the same with the colocated vLLM engine in the process
 
 
 def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) -> int:
@@ -577,13 +579,22 @@ def microbatch_budget(
     device: torch.device,
     checkpointing: bool,
     reserve: int = 0,
+    *,
+    beside_vllm: bool = False,
 ) -> tuple[int, str]:
     """``optim.max_tokens_per_microbatch: auto``: as many tokens as keep the student's saved activations
     within a quarter of the accelerator's free memory less ``reserve`` bytes (what the step will take
     that is not allocated yet: AdamW's state), or within 512 MiB on a CPU (where generation, the data
     and the OS share the RAM; a SmolLM2-135M LoRA step peaks at 1.89-1.98 GiB RSS there, 2.87 GiB at
     1 GiB before the trainer trimmed the heap, docs/benchmarks.md). Between 256 and 16,384
-    tokens. Measure it with any vLLM engine asleep. Returns the budget and the reason (a notice)."""
+    tokens. Measure it with any vLLM engine asleep. Returns the budget and the reason (a notice).
+
+    ``beside_vllm`` on a CPU (the colocated vLLM engine runs in this process): 2 GiB, at most a quarter
+    of the RAM available to this rank. vLLM's weight copy and KV cache already hold such a process
+    near 4 GiB, far above the 2 GiB that 512 MiB keeps an HF-engine step under, and with one or two
+    samples per micro-batch the student pass ran 1.3-1.9x slower than with five (development readings
+    in docs/benchmarks.md, "Micro-batches beside vLLM").
+    """
     if setting != "auto":
         return int(setting), "set in the config"
     per_token = activation_bytes_per_token(config, dtype, checkpointing)
@@ -593,6 +604,15 @@ def microbatch_budget(
             free // 4,
             f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state",
         )
+    elif beside_vllm:
+        room, where = CPU_ACTIVATION_BUDGET_BESIDE_VLLM, "2 GiB on the CPU beside the vLLM engine"
+        ram = available_ram()
+        if ram is not None:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks here share it
+            quarter = max(0, ram // local_ranks - reserve) // 4
+            if quarter < room:
+                room = quarter
+                where = f"a quarter of the {quarter * 4 / 2**30:.1f} GiB of RAM available, vLLM resident"
     else:
         room, where = CPU_ACTIVATION_BUDGET, "512 MiB on the CPU"
     tokens = max(256, min(16384, room // per_token))

@@ -32,7 +32,7 @@ from opsd.loss import LossStats
 from opsd.objectives import Objective, Scores, make_distillation, make_objective
 from opsd.optim import make_optimizer
 from opsd.parallel import forward_hidden, full_head_weight, parallelize
-from opsd.rollout import Completion, EngineError, SamplingParams
+from opsd.rollout import Completion, EngineError, SamplingParams, VLLMEngine
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
 from opsd.teacher import Teacher
 
@@ -219,6 +219,7 @@ class Trainer:
             self.device,
             cfg.model.gradient_checkpointing,
             reserve=adam_bytes,
+            beside_vllm=isinstance(self.engine, VLLMEngine),
         )
         if self.rank == 0:
             print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)

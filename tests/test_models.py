@@ -470,6 +470,33 @@ def test_microbatch_budget_auto_from_model_size():
     assert microbatch_budget(4096, smol, torch.float32, cpu, False) == (4096, "set in the config")
 
 
+
+def test_microbatch_budget_beside_vllm_on_a_cpu(monkeypatch, tmp_path):
+    """With the colocated vLLM engine in the process a CPU's auto budget is 2 GiB of activations (1,456
+    SmolLM2-135M fp32 tokens), or a quarter of the RAM this rank has available when that is less;
+    the RAM comes from /proc/meminfo's MemAvailable (kB meaning KiB)."""
+    from types import SimpleNamespace
+
+    import opsd.models as models_mod
+    from opsd.devices import available_ram
+
+    smol = SimpleNamespace(hidden_size=576, num_hidden_layers=30, intermediate_size=1536)
+    cpu = torch.device("cpu")
+    per_token = 30 * (8 * 576 + 5 * 1536) * 4
+    monkeypatch.setattr(models_mod, "available_ram", lambda: 64 << 30)
+    tokens, why = models_mod.microbatch_budget("auto", smol, torch.float32, cpu, False, beside_vllm=True)
+    assert tokens == (2 << 30) // per_token == 1456 and "2 GiB" in why and "vLLM" in why
+    monkeypatch.setattr(models_mod, "available_ram", lambda: 4 << 30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks share it: 2 GiB each, a quarter of it
+    tokens, why = models_mod.microbatch_budget("auto", smol, torch.float32, cpu, False, beside_vllm=True)
+    assert tokens == (512 << 20) // per_token == 364 and "a quarter of the 2.0 GiB" in why
+    monkeypatch.setattr(models_mod, "available_ram", lambda: None)  # not known: the 2 GiB stands
+    assert models_mod.microbatch_budget("auto", smol, torch.float32, cpu, False, beside_vllm=True)[0] == 1456
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   1000 kB\n")
+    assert available_ram(str(meminfo)) == 1000 * 1024
+    assert available_ram(str(tmp_path / "missing")) is None
+
 # --- tiny tokenizer and model -----------------------------------------------------------------
 
 

@@ -246,7 +246,7 @@ def test_cpu_engine_sizes_its_cache_to_the_batch(assets, base_model, capsys):
         eng.close()
 
 
-def test_three_training_steps_with_vllm(assets, tmp_path):
+def test_three_training_steps_with_vllm(assets, tmp_path, capsys):
     rows = [
         {
             "problem": f"What is {a} + {b}?",
@@ -280,6 +280,8 @@ def test_three_training_steps_with_vllm(assets, tmp_path):
     ]
     trainer = Trainer(load_config(str(config), args))
     assert isinstance(trainer.engine, VLLMEngine)
+    budget = [x for x in capsys.readouterr().err.splitlines() if x.startswith("micro-batches:")]
+    assert "vLLM" in budget[0]  # the CPU's auto budget beside the engine (models.microbatch_budget)
     trainer.train()
     trainer.engine.close()
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
