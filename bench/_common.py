@@ -3,10 +3,12 @@
 A script's first import after the standard library is ``import _common`` (``bench/`` is the script's
 directory, so it is on ``sys.path``); importing it
 
-* sets ``OMP_WAIT_POLICY=PASSIVE`` unless the caller chose otherwise, before anything imports torch,
-  and child processes inherit it: on a shared, oversubscribed CPU, OpenMP's default spin-waiting made
-  2-thread forwards of SmolLM2-135M 5-7x slower (measured with bench/rollout.py), and passive waiting
-  costs about nothing when the machine is idle (``opsd.cli`` does the same);
+* sets OpenMP's waiting as ``opsd``'s command line does (:func:`opsd.devices.openmp_waiting`:
+  ``OMP_WAIT_POLICY=PASSIVE``, the benchmark rule, with ``GOMP_SPINCOUNT=10000``) unless the caller
+  chose otherwise, before anything imports torch, and child processes inherit it: on a shared,
+  oversubscribed CPU, OpenMP's default spin-waiting made 2-thread forwards of SmolLM2-135M 5-7x
+  slower (measured with bench/rollout.py), and the short spin keeps small operators from waiting for
+  a sleeping thread;
 * makes this checkout's ``opsd`` importable, here and in child processes (``PYTHONPATH``), so
   ``python bench/x.py`` works from a clean checkout without ``pip install -e .``.
 
@@ -27,9 +29,11 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # after the script's own folder
+from opsd.devices import openmp_waiting  # noqa: E402 (light: no torch)
+
+openmp_waiting(os.environ)
 _pythonpath = os.environ.get("PYTHONPATH", "")
 if str(ROOT) not in _pythonpath.split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), _pythonpath) if p)

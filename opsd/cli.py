@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from opsd import __version__
+from opsd.devices import openmp_waiting
 from opsd.errors import TrainingError, UserError
 
 
@@ -126,9 +127,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before torch starts OpenMP: spin-waiting threads (the default) made CPU steps several times
-    # slower whenever anything else shared the cores (measured in docs/benchmarks.md).
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    openmp_waiting(os.environ)  # before torch starts OpenMP
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)

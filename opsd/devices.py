@@ -13,7 +13,7 @@ import ctypes
 import os
 import platform
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +109,27 @@ def machine_info() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+OPENMP_SPIN = "10000"  # libgomp pauses before an idle thread sleeps: ~0.1 ms
+
+
+def openmp_waiting(env: MutableMapping[str, str]) -> None:
+    """How OpenMP's idle threads wait, unless the user chose (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``
+    set): passive, after a short spin. Must run before torch loads OpenMP; ``opsd``'s command line
+    and the bench scripts call it first thing.
+
+    Why: libgomp's default spins ~300,000 pauses, which made CPU steps several times slower whenever
+    anything else shared the cores; sleeping at once made every one of the hundreds of small parallel
+    operators in a vLLM decode step wait for the other thread to wake, and generation ran 2.1x slower
+    (9.4 against 4.5 s for 8 responses of SmolLM2-135M; 10,000 pauses ran it as fast as 100,000, and
+    1,000 at 6.4 s), the student's forward and backward 1.2x (development readings in
+    docs/benchmarks.md, "OpenMP waiting, again").
+    """
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    env["GOMP_SPINCOUNT"] = OPENMP_SPIN
 
 
 def available_ram(meminfo: str = "/proc/meminfo") -> int | None:

@@ -19,6 +19,27 @@ def test_version_and_help_without_heavy_imports():
     assert res.returncode == 0 and __version__ in res.stdout
 
 
+def test_openmp_waiting_is_set_before_torch_unless_the_user_chose():
+    """The command line sets passive waiting after a short spin before torch loads OpenMP; a user's own
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT stands, and then the other is not added."""
+    import os
+
+    from opsd.devices import OPENMP_SPIN, openmp_waiting
+
+    code = (
+        "import os, sys, opsd.cli\n"
+        "try:\n    opsd.cli.main(['--version'])\nexcept SystemExit:\n    pass\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split()[-3:] == ["PASSIVE", OPENMP_SPIN, "False"]
+    for mine in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}):
+        env = dict(mine)
+        openmp_waiting(env)
+        assert env == mine
+
+
 def test_no_command_prints_help(capsys):
     assert main([]) == 0
     out = capsys.readouterr().out

@@ -470,7 +470,6 @@ def test_microbatch_budget_auto_from_model_size():
     assert microbatch_budget(4096, smol, torch.float32, cpu, False) == (4096, "set in the config")
 
 
-
 def test_microbatch_budget_beside_vllm_on_a_cpu(monkeypatch, tmp_path):
     """With the colocated vLLM engine in the process a CPU's auto budget is 2 GiB of activations (1,456
     SmolLM2-135M fp32 tokens), or a quarter of the RAM this rank has available when that is less;
@@ -496,6 +495,7 @@ def test_microbatch_budget_beside_vllm_on_a_cpu(monkeypatch, tmp_path):
     meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   1000 kB\n")
     assert available_ram(str(meminfo)) == 1000 * 1024
     assert available_ram(str(tmp_path / "missing")) is None
+
 
 # --- tiny tokenizer and model -----------------------------------------------------------------
 
