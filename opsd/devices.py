@@ -176,8 +176,8 @@ def release_freed_memory(device: torch.device) -> bool:
     return True
 
 
-# glibc's mallopt parameters (malloc.h) and the values its dynamic threshold settles at once a block of
-# 32 MiB or more has been freed, which every training step does.
+# glibc's mallopt parameters (malloc.h), and the most its dynamic mmap threshold rises to (32 MiB, with
+# trimming at twice that) as freed blocks of up to that size are unmapped, as a training step's are.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4

@@ -592,8 +592,8 @@ def microbatch_budget(
     ``beside_vllm`` on a CPU (the colocated vLLM engine runs in this process): 2 GiB, at most a quarter
     of the RAM available to this rank. vLLM's weight copy and KV cache already hold such a process
     near 4 GiB, far above the 2 GiB that 512 MiB keeps an HF-engine step under, and with one or two
-    samples per micro-batch the student pass ran 1.3-1.9x slower than with five (development readings
-    in docs/benchmarks.md, "Micro-batches beside vLLM").
+    samples per micro-batch the student pass ran 1.3-1.9x slower than at 2 GiB, three to five
+    (development readings in docs/benchmarks.md, "Micro-batches beside vLLM").
     """
     if setting != "auto":
         return int(setting), "set in the config"
