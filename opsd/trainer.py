@@ -223,6 +223,10 @@ class Trainer:
         )
         if self.rank == 0:
             print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
+        # The heap trims keep an HF-engine CPU step under 2 GiB. Beside the colocated vLLM engine (near
+        # 4 GiB resident anyway) they made every step fault its activations and loss blocks afresh:
+        # ~1.3 s of a 12.7 s bf16 step (docs/benchmarks.md, "Heap trims beside vLLM").
+        self.trim_heap = not isinstance(self.engine, VLLMEngine)
         self.step_num = 0
         self.bad_steps = 0
         self.stop = GracefulStop()
@@ -532,7 +536,8 @@ class Trainer:
         self.engine.sleep()
         # Generation's freed buffers (its cache, the folded LoRA copies) back to the OS before the
         # micro-batch loop: left as heap holes, they raised that loop's peak RSS by ~0.16 GiB.
-        release_freed_memory(self.device)
+        if self.trim_heap:
+            release_freed_memory(self.device)
         return completions
 
     def sampling(self, step: int) -> SamplingParams:
@@ -642,7 +647,8 @@ class Trainer:
             with self.stop:
                 while self.step_num < end:
                     out = self.step()
-                    release_freed_memory(self.device)  # the heap's holes back to the OS: RSS does not creep
+                    if self.trim_heap:  # the heap's holes back to the OS: RSS does not creep
+                        release_freed_memory(self.device)
                     rec = self.record(out)
                     if cfg.eval.every and self.step_num % cfg.eval.every == 0:
                         rec.update(self.evaluate())
