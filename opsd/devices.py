@@ -203,8 +203,9 @@ def reuse_freed_memory(device: torch.device) -> Iterator[bool]:
     page faults a SmolLM2-135M step, and the loss took 2.3-2.7 s a step beside the colocated vLLM
     engine against 1.2 s with its blocks reused (1.4 against 1.1 s with the HF engine; development
     readings in docs/benchmarks.md, "The loss's fresh pages"). Only the loop: generation keeps glibc's
-    usual mapping, whose varied buffer sizes would leave the heap fragmented, and the trainer's
-    ``malloc_trim`` after each step still returns the free pages. On exit glibc's settings are those
+    usual mapping, whose varied buffer sizes would leave the heap fragmented, and with the HF engine
+    the trainer's ``malloc_trim`` after each step still returns the free pages (not beside vLLM:
+    ``Trainer.trim_heap``). On exit glibc's settings are those
     its own dynamic threshold reaches in a training process. Does nothing (yields False) off a glibc
     CPU or when the user set glibc's malloc through ``MALLOC_*_`` or ``GLIBC_TUNABLES``.
     """
