@@ -209,6 +209,7 @@ class Trainer:
             ),
             "rollout engine start",
         )
+        beside_vllm = isinstance(self.engine, VLLMEngine)  # colocated: its copy and cache in this process
         self.engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it) ...
         # ... and with room for AdamW's moments.
         adam_bytes = 2 * 4 * sum(parallel.local_numel(p) for p in self.params)
@@ -219,14 +220,14 @@ class Trainer:
             self.device,
             cfg.model.gradient_checkpointing,
             reserve=adam_bytes,
-            beside_vllm=isinstance(self.engine, VLLMEngine),
+            beside_vllm=beside_vllm,
         )
         if self.rank == 0:
             print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
         # The heap trims keep an HF-engine CPU step under 2 GiB. Beside the colocated vLLM engine (near
         # 4 GiB resident anyway) they made every step fault its activations and loss blocks afresh:
         # ~1.3 s of a 12.7 s bf16 step (docs/benchmarks.md, "Heap trims beside vLLM").
-        self.trim_heap = not isinstance(self.engine, VLLMEngine)
+        self.trim_heap = not beside_vllm
         self.step_num = 0
         self.bad_steps = 0
         self.stop = GracefulStop()
