@@ -72,39 +72,40 @@ def _entropies(
 # kernel no longer needs, to touch each [c, V] block as few times as possible.
 
 
-def _grad_forward_kl(s: Tensor, p: Tensor, keep: Tensor | None) -> Tensor:
+def _grad_forward_kl(s: Tensor, p: Tensor, drop: Tensor | None) -> Tensor:
     """``dL/da`` for ``L = sum_i P_i (log P_i - log S_i)`` (beta = 0); overwrites ``s`` and ``p``.
 
-    ``g_i = -P_i / S_i`` on kept entries, so ``S (g - <S, g>) = S <q> - q`` with ``q = P * keep``;
-    without entry clipping ``<q> = sum P = 1`` and it is ``S - P``.
+    ``g_i = -P_i / S_i`` on kept entries (``drop`` marks the clipped ones), so
+    ``S (g - <S, g>) = S <q> - q`` with ``q = P`` zeroed where dropped; without entry clipping
+    ``<q> = sum P = 1`` and it is ``S - P``.
     """
-    if keep is None:
+    if drop is None:
         return s.sub_(p)
-    q = p.mul_(keep)
+    q = p.masked_fill_(drop, 0.0)
     return s.mul_(q.sum(-1, keepdim=True)).sub_(q)
 
 
-def _grad_reverse_kl(s: Tensor, d: Tensor, rows: Tensor, keep: Tensor | None) -> Tensor:
+def _grad_reverse_kl(s: Tensor, d: Tensor, rows: Tensor, drop: Tensor | None) -> Tensor:
     """``dL/da`` for ``L = sum_i S_i d_i`` with ``d = log S - log P`` (beta = 1); overwrites ``d``.
 
     ``g_i = d_i + 1`` on kept entries. Without entry clipping the ``+1`` cancels (``sum S = 1``)
     and ``<S, d>`` is the row's divergence ``rows``: ``S (d - rows)``.
     """
-    if keep is None:
+    if drop is None:
         return d.sub_(rows[:, None]).mul_(s)
-    g = d.add_(1.0).mul_(keep)
+    g = d.add_(1.0).masked_fill_(drop, 0.0)
     return g.sub_(torch.linalg.vecdot(s, g)[:, None]).mul_(s)
 
 
-def _grad_mixture(s: Tensor, d_s: Tensor, keep: Tensor | None, beta: float) -> Tensor:
+def _grad_mixture(s: Tensor, d_s: Tensor, drop: Tensor | None, beta: float) -> Tensor:
     """``dL/da`` for ``JSD_beta``, ``M = (1-beta) S + beta P``, ``d_s = log S - log M``; overwrites ``d_s``.
 
     ``L = beta KL(P||M) + (1-beta) KL(S||M)``, so ``dL/dS_j = (1-beta) (d_s,j + 1)`` from the
     ``S log S`` term minus ``(1-beta) (beta P_j + (1-beta) S_j) / M_j = (1-beta)`` through ``M``:
-    ``g = (1-beta) d_s`` (times ``keep`` when entries are clipped), and
-    ``dL/da = (1-beta) S (g' - <S, g'>)`` with ``g' = d_s * keep``.
+    ``g = (1-beta) d_s`` (zero on entries ``drop`` marks clipped), and
+    ``dL/da = (1-beta) S (g' - <S, g'>)`` with ``g' = d_s`` zeroed where dropped.
     """
-    g = d_s if keep is None else d_s.mul_(keep)
+    g = d_s if drop is None else d_s.masked_fill_(drop, 0.0)
     return g.sub_(torch.linalg.vecdot(s, g)[:, None]).mul_(s).mul_(1 - beta)
 
 
@@ -120,12 +121,16 @@ def _terms(f: Tensor, d: Tensor, entry: bool, *, overwrite_d: bool = False) -> t
 def _clip(
     ell: Tensor | None, raw: Tensor, spec: DistillSpec, stats: LossStats
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Clipped per-row losses, the kept-entry mask (entry clipping), the kept-token mask (token clipping)."""
+    """Clipped per-row losses, the clipped-entry mask (entry clipping), the kept-token mask (token clipping).
+
+    The entry mask marks what is dropped (``not ell <= clip``: a NaN term counts as clipped), so the
+    gradient zeroes those entries in place with it; multiplying by a kept-entry mask made a float
+    ``[c, V]`` copy of the mask first."""
     if spec.clip_mode == "entry":
-        keep = ell <= spec.clip
-        stats.clipped = ell.numel() - keep.sum()
+        drop = (ell <= spec.clip).logical_not_()
+        stats.clipped = drop.sum()
         stats.clip_total = float(ell.numel())
-        return ell.masked_fill_(~keep, spec.clip).sum(-1), keep, None  # ell is not needed any more
+        return ell.masked_fill_(drop, spec.clip).sum(-1), drop, None  # ell is not needed any more
     if spec.clip_mode == "token":
         token_keep = raw <= spec.clip
         stats.clipped = (~token_keep).sum()
@@ -167,18 +172,18 @@ def _divergence_chunk(
         else:
             ell, raw = None, beta * torch.linalg.vecdot(p, d_p) + (1 - beta) * torch.linalg.vecdot(s, d_s)
     stats.divergence = raw.sum()
-    rows, keep, token_keep = _clip(ell, raw, spec, stats)
+    rows, drop, token_keep = _clip(ell, raw, spec, stats)
     del ell
     loss = (rows * w).sum()
     if not need_grad:
         return loss, None, stats
 
     if beta == 0.0:
-        grad = _grad_forward_kl(s, p, keep)
+        grad = _grad_forward_kl(s, p, drop)
     elif beta == 1.0:
-        grad = _grad_reverse_kl(s, d, raw, keep)
+        grad = _grad_reverse_kl(s, d, raw, drop)
     else:
-        grad = _grad_mixture(s, d_s, keep, beta)
+        grad = _grad_mixture(s, d_s, drop, beta)
     scale = w[:, None] * (1.0 / spec.temperature)
     if token_keep is not None:
         scale = scale * token_keep[:, None]
