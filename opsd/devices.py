@@ -194,7 +194,7 @@ def _user_malloc_settings() -> bool:
 
 
 @contextmanager
-def reuse_freed_memory(device: torch.device) -> Iterator[bool]:
+def reuse_freed_memory(device: torch.device, *, keep_pages: bool = False) -> Iterator[bool]:
     """Inside, every CPU tensor comes from glibc's heap and freeing one never shrinks it, so a block one
     micro-batch frees is the next one's, already resident; the trainer wraps its micro-batch loop in it.
 
@@ -204,10 +204,15 @@ def reuse_freed_memory(device: torch.device) -> Iterator[bool]:
     engine against 1.2 s with its blocks reused (1.4 against 1.1 s with the HF engine; development
     readings in docs/benchmarks.md, "The loss's fresh pages"). Only the loop: generation keeps glibc's
     usual mapping, whose varied buffer sizes would leave the heap fragmented, and with the HF engine
-    the trainer's ``malloc_trim`` after each step still returns the free pages (not beside vLLM:
-    ``Trainer.trim_heap``). On exit glibc's settings are those
-    its own dynamic threshold reaches in a training process. Does nothing (yields False) off a glibc
-    CPU or when the user set glibc's malloc through ``MALLOC_*_`` or ``GLIBC_TUNABLES``.
+    the trainer's ``malloc_trim`` after each step still returns the free pages. On exit glibc's
+    settings are those its own dynamic threshold reaches in a training process.
+
+    ``keep_pages`` (the trainer's, beside the colocated vLLM engine: ``Trainer.trim_heap`` false): on
+    exit the heap still never shrinks by itself. Otherwise the first free after the loop, under the
+    restored 64 MiB trim threshold, hands the loop's pages at the heap's top back, and the next step
+    faults them again: 50,000-160,000 faults a float32 step with the 1,456-token micro-batches
+    (docs/benchmarks.md, "Kept heap pages"). Does nothing (yields False) off a glibc CPU or when the
+    user set glibc's malloc through ``MALLOC_*_`` or ``GLIBC_TUNABLES``.
     """
     libc = _glibc(device)
     if libc is None or _user_malloc_settings():
@@ -220,4 +225,5 @@ def reuse_freed_memory(device: torch.device) -> Iterator[bool]:
     finally:
         libc.mallopt(_M_MMAP_MAX, _MMAP_MAX_DEFAULT)
         libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_SETTLED)
-        libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_SETTLED)
+        if not keep_pages:
+            libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_SETTLED)

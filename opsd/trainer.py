@@ -480,7 +480,7 @@ class Trainer:
         """This trainer's micro-batch loop (:func:`forward_backward`) with its model, teacher, objective
         and mixed precision; ``backward=False`` computes the same numbers without gradients. On a CPU
         the loop reuses the heap blocks it frees (:func:`opsd.devices.reuse_freed_memory`)."""
-        with reuse_freed_memory(self.device):
+        with reuse_freed_memory(self.device, keep_pages=not self.trim_heap):
             return forward_backward(
                 self.model,
                 self.teacher if self.objective.uses_teacher else None,

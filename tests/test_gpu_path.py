@@ -304,3 +304,33 @@ def test_reuse_freed_memory_serves_a_freed_block_from_resident_pages(user_env):
         assert int(inside) < 20
     else:
         assert int(inside) >= 20
+
+
+@pytest.mark.parametrize("keep_pages", [False, True])
+def test_reuse_freed_memory_keeping_pages_leaves_glibc_never_trimming(keep_pages, monkeypatch):
+    """What the context asks of glibc: inside, no mapping and (almost) no trimming; after it, mapping and
+    the threshold glibc's dynamic rule reaches, and the 64 MiB trim threshold back unless
+    ``keep_pages`` (beside vLLM), where the heap's top stays resident for the next step's loop.
+    Whether glibc then trims depends on the heap's layout (a small freed chunk above a block pins the
+    top), which a probe cannot fix, so this checks the settings asked for."""
+    from opsd import devices
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(devices, "_glibc", lambda device: Libc())
+    monkeypatch.setattr(devices, "_user_malloc_settings", lambda: False)
+    with devices.reuse_freed_memory(torch.device("cpu"), keep_pages=keep_pages) as on:
+        assert on is True
+        assert calls == [(devices._M_MMAP_MAX, 0), (devices._M_TRIM_THRESHOLD, devices._TRIM_ALMOST_NEVER)]
+    after = dict(calls[2:])
+    assert after[devices._M_MMAP_MAX] == devices._MMAP_MAX_DEFAULT
+    assert after[devices._M_MMAP_THRESHOLD] == 32 << 20
+    if keep_pages:
+        assert devices._M_TRIM_THRESHOLD not in after
+    else:
+        assert after[devices._M_TRIM_THRESHOLD] == 64 << 20

@@ -475,8 +475,8 @@ def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, t
         calls.append(f"trim {device.type}")
 
     @contextlib.contextmanager
-    def reuse(device):
-        calls.append(f"reuse {device.type}")
+    def reuse(device, keep_pages):
+        calls.append(f"reuse {device.type}{' keeping pages' if keep_pages else ''}")
         yield True
         calls.append("reuse ends")
 

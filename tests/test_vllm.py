@@ -282,12 +282,21 @@ def test_three_training_steps_with_vllm(assets, tmp_path, capsys, monkeypatch):
 
     trims = []
     monkeypatch.setattr(trainer_mod, "release_freed_memory", trims.append)
+    kept = []
+    real_reuse = trainer_mod.reuse_freed_memory
+
+    def reuse(device, keep_pages):
+        kept.append(keep_pages)
+        return real_reuse(device, keep_pages=keep_pages)
+
+    monkeypatch.setattr(trainer_mod, "reuse_freed_memory", reuse)
     trainer = Trainer(load_config(str(config), args))
     assert isinstance(trainer.engine, VLLMEngine)
     budget = [x for x in capsys.readouterr().err.splitlines() if x.startswith("micro-batches:")]
     assert "vLLM" in budget[0]  # the CPU's auto budget beside the engine (models.microbatch_budget)
     trainer.train()
     assert trims == []  # beside vLLM the heap keeps its pages between steps (Trainer.trim_heap)
+    assert kept == [True] * 3  # and glibc does not trim them by itself after the loop either
     trainer.engine.close()
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
