@@ -209,10 +209,11 @@ def reuse_freed_memory(device: torch.device, *, keep_pages: bool = False) -> Ite
 
     ``keep_pages`` (the trainer's, beside the colocated vLLM engine: ``Trainer.trim_heap`` false): on
     exit the heap still never shrinks by itself. Otherwise the first free after the loop, under the
-    restored 64 MiB trim threshold, hands the loop's pages at the heap's top back, and the next step
-    faults them again: 50,000-160,000 faults a float32 step with the 1,456-token micro-batches
-    (docs/benchmarks.md, "Kept heap pages"). Does nothing (yields False) off a glibc CPU or when the
-    user set glibc's malloc through ``MALLOC_*_`` or ``GLIBC_TUNABLES``.
+    restored 64 MiB trim threshold, hands the loop's pages at the heap's free top back (unless a small
+    live chunk above them pins it: it depends on the heap's layout), and the next step
+    faults them again: 49,000-155,000 faults a float32 pass over one step's 1,456-token micro-batches
+    (development readings, docs/benchmarks.md, "Kept heap pages"). Does nothing (yields False) off a
+    glibc CPU or when the user set glibc's malloc through ``MALLOC_*_`` or ``GLIBC_TUNABLES``.
     """
     libc = _glibc(device)
     if libc is None or _user_malloc_settings():
