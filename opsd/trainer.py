@@ -479,7 +479,8 @@ class Trainer:
     ) -> tuple[Tensor, LossStats]:
         """This trainer's micro-batch loop (:func:`forward_backward`) with its model, teacher, objective
         and mixed precision; ``backward=False`` computes the same numbers without gradients. On a CPU
-        the loop reuses the heap blocks it frees (:func:`opsd.devices.reuse_freed_memory`)."""
+        the loop reuses the heap blocks it frees (:func:`opsd.devices.reuse_freed_memory`), and beside
+        the colocated vLLM engine keeps their pages after it too (``keep_pages``)."""
         with reuse_freed_memory(self.device, keep_pages=not self.trim_heap):
             return forward_backward(
                 self.model,

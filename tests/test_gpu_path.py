@@ -307,12 +307,12 @@ def test_reuse_freed_memory_serves_a_freed_block_from_resident_pages(user_env):
 
 
 @pytest.mark.parametrize("keep_pages", [False, True])
-def test_reuse_freed_memory_keeping_pages_leaves_glibc_never_trimming(keep_pages, monkeypatch):
+def test_reuse_freed_memory_restores_the_trim_threshold_unless_keeping_pages(keep_pages, monkeypatch):
     """What the context asks of glibc: inside, no mapping and (almost) no trimming; after it, mapping and
     the threshold glibc's dynamic rule reaches, and the 64 MiB trim threshold back unless
     ``keep_pages`` (beside vLLM), where the heap's top stays resident for the next step's loop.
-    Whether glibc then trims depends on the heap's layout (a small freed chunk above a block pins the
-    top), which a probe cannot fix, so this checks the settings asked for."""
+    Whether glibc then trims depends on the heap's layout (a small live or cached chunk above a block
+    pins the top), which a probe cannot fix, so this checks the settings asked for."""
     from opsd import devices
 
     calls = []
