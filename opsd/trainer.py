@@ -226,7 +226,8 @@ class Trainer:
             print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
         # The heap trims keep an HF-engine CPU step under 2 GiB. Beside the colocated vLLM engine (near
         # 4 GiB resident anyway) they made every step fault its activations and loss blocks afresh:
-        # ~1.3 s of a 12.7 s bf16 step (docs/benchmarks.md, "Heap trims beside vLLM").
+        # ~1.3 s of a 12.7 s bf16 step (docs/benchmarks.md, "Heap trims beside vLLM"); there glibc is
+        # also kept from trimming the heap by itself after the loop (forward_backward's keep_pages).
         self.trim_heap = not beside_vllm
         self.step_num = 0
         self.bad_steps = 0
