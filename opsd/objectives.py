@@ -195,26 +195,45 @@ def check_rollout_logprobs(
     stats.logprob_tokens = float(mine.numel())
 
 
-def make_distillation(cfg: Config) -> Distillation:
+# On a CPU with the HF engine, the loss's rows per chunk (see loss_chunk_size).
+FRUGAL_CHUNK_ROWS = 128
+
+
+def loss_chunk_size(setting: int | None, device: torch.device, engine: str) -> int | None:
+    """``loss.chunk_size`` as the rows per loss chunk; unset, 128 on a CPU with the HF engine and None
+    (the loss's own 256-row choice) elsewhere.
+
+    Why: with the HF engine a CPU step is held near 2 GiB (the trainer trims the heap), and the
+    loss's ``[rows, V]`` float32 blocks are then its peak: 128 rows took a bf16 SmolLM2-135M step from
+    2.05 to 1.86 GiB for ~5% of the loss's time (docs/benchmarks.md, "Step memory"). Beside vLLM
+    (~5 GiB resident anyway) and on a GPU the faster 256 rows are kept."""
+    if setting is not None:
+        return setting
+    if device.type == "cpu" and engine == "hf":
+        return FRUGAL_CHUNK_ROWS
+    return None
+
+
+def make_distillation(cfg: Config, chunk_size: int | None) -> Distillation:
     """The loss section as a :class:`Distillation` (OPSD's objective, GRPO's distillation term and the
-    held-out divergence)."""
+    held-out divergence); ``chunk_size``: :func:`loss_chunk_size`'s."""
     return Distillation(
         spec=cfg.loss.to_spec(cfg.rollout.temperature),
-        chunk_size=cfg.loss.chunk_size,
+        chunk_size=chunk_size,
         sampling_temperature=cfg.rollout.temperature,
     )
 
 
-def make_objective(cfg: Config) -> Objective:
-    """``cfg.objective`` as an object, its options bound once."""
-    distill = make_distillation(cfg)
+def make_objective(cfg: Config, chunk_size: int | None) -> Objective:
+    """``cfg.objective`` as an object, its options bound once; ``chunk_size``: :func:`loss_chunk_size`'s."""
+    distill = make_distillation(cfg, chunk_size)
     if cfg.objective == "opsd":
         return distill
     return GRPO(
         reward=make_reward(cfg.grpo.grader),
         scale_rewards=cfg.grpo.scale_rewards,
         temperature=distill.spec.temperature,
-        chunk_size=cfg.loss.chunk_size,
+        chunk_size=chunk_size,
         distill=distill,
         distill_coef=cfg.grpo.distill_coef,
         tis_cap=cfg.grpo.tis_cap,

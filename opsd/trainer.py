@@ -20,7 +20,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from opsd import checkpoint, distributed, metrics, models, parallel, precision
-from opsd.config import Config
+from opsd.config import Config, resolve_engine
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.data.batching import MicroBatch, pad_microbatches
 from opsd.devices import release_freed_memory, resolve_device, reuse_freed_memory
@@ -29,7 +29,7 @@ from opsd.engines import make_engine
 from opsd.errors import TrainingError, UserError
 from opsd.grading import as_grade, resolve_grader
 from opsd.loss import LossStats
-from opsd.objectives import Objective, Scores, make_distillation, make_objective
+from opsd.objectives import Objective, Scores, loss_chunk_size, make_distillation, make_objective
 from opsd.optim import make_optimizer
 from opsd.parallel import forward_hidden, full_head_weight, parallelize
 from opsd.rollout import Completion, EngineError, SamplingParams, VLLMEngine
@@ -136,9 +136,10 @@ class Trainer:
         # The same seed on every rank: LoRA's initial weights must agree before sharding.
         torch.manual_seed(cfg.seed)
         # What is trained for: distillation, GRPO, or both; it says what it needs from data and teacher.
-        self.objective = make_objective(cfg)
+        loss_chunk = loss_chunk_size(cfg.loss.chunk_size, self.device, resolve_engine(cfg.rollout.engine)[0])
+        self.objective = make_objective(cfg, loss_chunk)
         # The held-out divergence (eval.divergence) is distillation's, whatever the objective.
-        self.heldout = make_distillation(cfg)
+        self.heldout = make_distillation(cfg, loss_chunk)
         grader = resolve_grader(cfg.eval.grader, "eval.grader")
         self.eval_grader = lambda response, gold: as_grade(grader(response, gold))
         if cfg.model.compile:  # refused before anything loads

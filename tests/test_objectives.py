@@ -12,7 +12,7 @@ from helpers import build_assets, make_cfg
 
 from opsd import Trainer
 from opsd.loss import DistillSpec
-from opsd.objectives import GRPO, Distillation, Scores, make_objective
+from opsd.objectives import FRUGAL_CHUNK_ROWS, GRPO, Distillation, Scores, loss_chunk_size, make_objective
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +71,25 @@ def test_distill_coef_zero_is_grpo_alone(assets, tmp_path):
     cfg = make_cfg(
         assets, tmp_path / "run", objective="grpo", **{"grpo.grader": "test_regression:letter_e_reward"}
     )
-    objective = make_objective(cfg)
+    objective = make_objective(cfg, cfg.loss.chunk_size)
     assert isinstance(objective, GRPO) and not objective.uses_teacher
     tr = Trainer(cfg)
     assert all(ex.solution == "" for ex in tr.examples)
+    # The tests' HF engine on a CPU: the frugal loss chunks reach the objective and its distillation.
+    assert tr.objective.chunk_size == tr.objective.distill.chunk_size == FRUGAL_CHUNK_ROWS
+    assert tr.heldout.chunk_size == FRUGAL_CHUNK_ROWS
+
+
+def test_loss_chunk_size_is_frugal_only_on_a_cpu_with_the_hf_engine():
+    """A set loss.chunk_size always wins; unset, 128 rows with the HF engine on a CPU, else the loss's own."""
+    cpu = torch.device("cpu")
+    cuda = torch.device("cuda")
+    assert loss_chunk_size(None, cpu, "hf") == FRUGAL_CHUNK_ROWS
+    assert loss_chunk_size(None, cpu, "vllm") is None
+    assert loss_chunk_size(None, cpu, "vllm_server") is None
+    assert loss_chunk_size(None, cuda, "hf") is None
+    assert loss_chunk_size(512, cpu, "hf") == 512
+    assert loss_chunk_size(64, cuda, "vllm") == 64
 
 
 def test_mixed_objective_uses_the_configured_privileged_teacher(assets, tmp_path):
