@@ -132,6 +132,22 @@ def openmp_waiting(env: MutableMapping[str, str]) -> None:
     env["GOMP_SPINCOUNT"] = OPENMP_SPIN
 
 
+def bucket_widths(device: torch.device, compute_dtype: torch.dtype | None) -> bool:
+    """Whether padded sequence widths go in buckets (:func:`opsd.data.batching.bucket_width`): on a CPU
+    computing in bf16 or fp16.
+
+    Why: PyTorch's CPU attention (``scaled_dot_product_attention``) in bf16 keeps a kernel for every
+    sequence length it has seen, in a cache that is never emptied: ~1.8 MiB a length on an AMX Xeon,
+    2.1 GiB after the lengths 100-1300 (``bench/sdpa_lengths.py``), and a run's micro-batches and
+    prompts grew its resident set ~0.1 GiB a step (docs/benchmarks.md, "Attention kernels kept per
+    length"). Sixteen widths per doubling of the length bound it. float32 keeps no such cache; GPU
+    kernels neither."""
+    import torch
+
+    half = compute_dtype in (torch.bfloat16, torch.float16)
+    return device.type == "cpu" and half
+
+
 def available_ram(meminfo: str = "/proc/meminfo") -> int | None:
     """Bytes of RAM the kernel could give this process now without swapping (``MemAvailable``), or
     None where that is not known (not Linux, or a kernel older than 3.14)."""

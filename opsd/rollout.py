@@ -36,6 +36,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from opsd.data.batching import bucket_width
+from opsd.devices import bucket_widths
 from opsd.distributed import rank_world
 from opsd.errors import TrainingError, UserError
 from opsd.models import (
@@ -221,6 +223,9 @@ class HFEngine:
         # bf16 compute over float32 master weights (one process): generate under autocast, as the trainer's
         # forwards run, so the rollout samples from the distribution the trainer scores.
         self.autocast_dtype = autocast_dtype
+        # Prompt widths in buckets where the CPU's bf16 attention keeps a kernel per length.
+        first = next(model.parameters())
+        self.bucket_widths = bucket_widths(first.device, autocast_dtype or first.dtype)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ValueError("tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
@@ -279,6 +284,8 @@ class HFEngine:
 
     def _generate_batch(self, batch: list[list[int]], params: SamplingParams, stop_ids: list[int], device):
         width = max(len(p) for p in batch)
+        if self.bucket_widths:
+            width = bucket_width(width)
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for r, p in enumerate(batch):  # left padding: the next token is at the same column for all rows

@@ -23,7 +23,7 @@ from opsd import checkpoint, distributed, metrics, models, parallel, precision
 from opsd.config import Config, resolve_engine
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.data.batching import MicroBatch, pad_microbatches
-from opsd.devices import release_freed_memory, resolve_device, reuse_freed_memory
+from opsd.devices import bucket_widths, release_freed_memory, resolve_device, reuse_freed_memory
 from opsd.distributed import all_reduce_sum
 from opsd.engines import make_engine
 from opsd.errors import TrainingError, UserError
@@ -473,6 +473,7 @@ class Trainer:
             global_tokens=tokens,
             global_seqs=seqs,
             device=self.device,
+            bucket=bucket_widths(self.device, self.precision.compute),
         )
         return pad_microbatches(batches, self.pad_id, self.device)
 

@@ -855,6 +855,55 @@ def test_microbatches_match_the_trainer(reduction: str) -> None:
         )
 
 
+def test_bucket_widths_are_sixteen_per_doubling_and_at_most_six_percent_wider() -> None:
+    from opsd.data.batching import bucket_width
+
+    widths = [bucket_width(n) for n in range(1, 5000)]
+    assert all(w >= n and (w - n) <= 0.0625 * n for n, w in zip(range(1, 5000), widths, strict=True))
+    assert all(bucket_width(w) == w for w in widths)  # a bucket width is its own bucket
+    got = [bucket_width(n) for n in (32, 33, 250, 256, 257, 1000, 4097)]
+    assert got == [32, 34, 256, 256, 272, 1024, 4352]
+    for k in range(6, 12):  # lengths in (2**(k-1), 2**k] take sixteen widths
+        assert len({bucket_width(n) for n in range(2 ** (k - 1) + 1, 2**k + 1)}) == 16
+
+
+def test_microbatch_widths_in_buckets() -> None:
+    """With bucket (a CPU in bf16) every padded width is a bucket width, the budget bounds the bucketed
+    widths, and the positions still pick the hidden states that predict the targets."""
+    import random
+
+    from opsd.data.batching import bucket_width
+
+    rng = random.Random(1)
+    samples = []
+    for i in range(9):
+        prompt = [rng.randrange(5, 50) for _ in range(rng.randrange(30, 60))]
+        teacher = prompt + [rng.randrange(5, 50) for _ in range(rng.randrange(0, 30))]
+        response = [rng.randrange(5, 50) for _ in range(rng.randrange(1, 12))]
+        samples.append(make_sample(prompt, teacher, response, i, "stop"))
+    kw = dict(pad_id=0, reduction="token", global_tokens=100.0, global_seqs=9.0, device="cpu")
+    mbs = make_microbatches(samples, max_tokens=250, bucket=True, **kw)
+    bucketed = [bucket_width(max(len(s.student_ids), len(s.teacher_ids))) for s in samples]
+    assert [m.sample_indices for m in mbs] == pack_microbatches(bucketed, 250)
+    wider = 0
+    for mb in mbs:
+        chosen = [samples[i] for i in mb.sample_indices]
+        for side in ("student", "teacher"):
+            width = getattr(mb, f"{side}_ids").shape[1]
+            longest = max(len(getattr(s, f"{side}_ids")) for s in chosen)
+            assert width == bucket_width(longest)
+            wider += width > longest
+            ids, pos = getattr(mb, f"{side}_ids").reshape(-1), getattr(mb, f"{side}_pos")
+            assert torch.equal(ids[pos + 1], mb.targets)
+        assert len(chosen) == 1 or mb.teacher_padded_tokens <= 250
+        assert mb.student_real_tokens == sum(len(s.student_ids) for s in chosen) == int(mb.student_mask.sum())
+        assert mb.teacher_real_tokens == sum(len(s.teacher_ids) for s in chosen) == int(mb.teacher_mask.sum())
+    assert wider > 0  # the test exercises the padding
+    plain = make_microbatches(samples, max_tokens=250, **kw)
+    same = [torch.cat([m.targets for m in x]).sort().values for x in (plain, mbs)]
+    assert torch.equal(*same)  # the same response tokens, however grouped
+
+
 # ---------------------------------------------------------------------------------------------------
 # The real data sets (optional)
 

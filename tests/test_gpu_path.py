@@ -306,6 +306,17 @@ def test_reuse_freed_memory_serves_a_freed_block_from_resident_pages(user_env):
         assert int(inside) >= 20
 
 
+def test_widths_bucketed_only_for_half_precision_on_a_cpu():
+    """The CPU's bf16 attention keeps a kernel per sequence length; widths are bucketed only there."""
+    from opsd.devices import bucket_widths
+
+    cpu = torch.device("cpu")
+    assert bucket_widths(cpu, torch.bfloat16) and bucket_widths(cpu, torch.float16)
+    assert not bucket_widths(cpu, torch.float32) and not bucket_widths(cpu, torch.float64)
+    assert not bucket_widths(cpu, None)
+    assert not bucket_widths(torch.device("cuda"), torch.bfloat16)
+
+
 @pytest.mark.parametrize("keep_pages", [False, True])
 def test_reuse_freed_memory_restores_the_trim_threshold_unless_keeping_pages(keep_pages, monkeypatch):
     """What the context asks of glibc: inside, no mapping and (almost) no trimming; after it, mapping and

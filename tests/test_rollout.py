@@ -13,6 +13,7 @@ import torch.distributed as dist
 from helpers import vllm_engine
 
 from opsd.config import RolloutConfig
+from opsd.data.batching import bucket_width
 from opsd.engines import make_engine
 from opsd.errors import UserError
 from opsd.rollout import (
@@ -45,6 +46,25 @@ def _teacher_forced_logprobs(model, prompt: list[int], resp: list[int], temperat
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(resp)[:, None]).squeeze(1)
+
+
+def test_prompt_widths_in_buckets_change_no_token(tiny_model, tiny_tokenizer, prompts):
+    """Where the CPU's bf16 attention keeps a kernel per length the engine left-pads prompts to a bucket
+    width (opsd.devices.bucket_widths); the extra padding is masked, so the completions are the same.
+    In float64 (u = 1.1e-16) the log-probs agree to 1e-9: only the order of a few sums over masked-out
+    zeros and differently blocked products differs, far under that."""
+    model = tiny_model.double()
+    plain = HFEngine(model, tiny_tokenizer, batch_size=3)
+    assert not plain.bucket_widths  # float64 on a CPU
+    wide = HFEngine(model, tiny_tokenizer, batch_size=3)
+    wide.bucket_widths = True
+    longer = [(p * 16)[: 37 + 3 * i] for i, p in enumerate(prompts)]  # 37, 40, 43, ...: odd ones get wider
+    assert any(bucket_width(len(p)) != len(p) for p in longer)
+    a, b = _greedy(plain, longer), _greedy(wide, longer)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-9)
+    assert HFEngine(tiny_model.to(torch.bfloat16), tiny_tokenizer).bucket_widths
 
 
 def test_count_order_and_shapes(tiny_model, tiny_tokenizer, prompts):

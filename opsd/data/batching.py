@@ -123,9 +123,22 @@ def response_positions(lengths: list[int], response_lens: list[int], width: int)
     return torch.tensor(idx, dtype=torch.long)
 
 
-def pad_right(seqs: list[list[int]], pad_id: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Right padding, one sample per row: attention never crosses samples."""
+def bucket_width(n: int) -> int:
+    """``n`` rounded up to one of sixteen widths per doubling (steps of ``2**(ceil(log2 n) - 5)``):
+    at most 6% wider (~2% on average), and ~16 distinct widths from ``L`` to ``2L``
+    (:func:`opsd.devices.bucket_widths` says where and why)."""
+    step = 1 << max(0, (n - 1).bit_length() - 5)
+    return -(-n // step) * step
+
+
+def pad_right(
+    seqs: list[list[int]], pad_id: int, device: torch.device, bucket: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Right padding, one sample per row: attention never crosses samples. The width is the longest
+    row's length, or with ``bucket`` its :func:`bucket_width`."""
     width = max(len(s) for s in seqs)
+    if bucket:
+        width = bucket_width(width)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -171,11 +184,14 @@ def make_microbatches(
     global_seqs: float,
     device: torch.device | str,
     min_real_frac: float = 0.0,
+    bucket: bool = False,
 ) -> list[MicroBatch]:
     """Pack samples under ``max_tokens`` padded tokens and build each group's tensors.
 
     Groups come from :func:`pack_microbatches` on max(student, teacher) length (``min_real_frac``: the
-    least real-token fraction of a group with more than one sample), in its order. The
+    least real-token fraction of a group with more than one sample), in its order; with ``bucket``
+    (:func:`opsd.devices.bucket_widths`) the lengths are rounded up to :func:`bucket_width` first, as
+    the padded widths are, so the budget bounds what is computed. The
     weights make the sum over all ranks' micro-batches the global loss: ``token`` reduction gives every
     response token 1 / global_tokens, ``sequence`` gives a length-n response's tokens 1 / (n * global_seqs)
     (each sequence's mean, averaged over sequences).
@@ -183,9 +199,12 @@ def make_microbatches(
     if reduction not in ("token", "sequence"):
         raise ValueError(f"reduction must be 'token' or 'sequence', got {reduction!r}")
     lengths = [max(len(s.student_ids), len(s.teacher_ids)) for s in samples]
+    if bucket:
+        lengths = [bucket_width(n) for n in lengths]
     groups = pack_microbatches(lengths, max_tokens, min_real_frac)
+    dev = torch.device(device)
     return [
-        _microbatch(samples, group, pad_id, reduction, global_tokens, global_seqs, torch.device(device))
+        _microbatch(samples, group, pad_id, reduction, global_tokens, global_seqs, dev, bucket)
         for group in groups
     ]
 
@@ -198,6 +217,7 @@ def _microbatch(
     global_tokens: float,
     global_seqs: float,
     device: torch.device,
+    bucket: bool,
 ) -> MicroBatch:
     mb = [samples[i] for i in group]
     resp = [s.response_len for s in mb]
@@ -212,8 +232,8 @@ def _microbatch(
     targets = torch.tensor(
         [t for s in mb for t in s.student_ids[-s.response_len :]], dtype=torch.long, device=device
     )
-    s_ids, s_mask = pad_right([s.student_ids for s in mb], pad_id, device)
-    t_ids, t_mask = pad_right([s.teacher_ids for s in mb], pad_id, device)
+    s_ids, s_mask = pad_right([s.student_ids for s in mb], pad_id, device, bucket)
+    t_ids, t_mask = pad_right([s.teacher_ids for s in mb], pad_id, device, bucket)
     s_pos = response_positions([len(s.student_ids) for s in mb], resp, s_ids.shape[1]).to(device)
     t_pos = response_positions([len(s.teacher_ids) for s in mb], resp, t_ids.shape[1]).to(device)
     return MicroBatch(
