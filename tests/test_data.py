@@ -801,17 +801,23 @@ def _trainer_microbatch(mb: list[Sample], pad: int, reduction: str, global_token
     return out
 
 
-@pytest.mark.parametrize("reduction", ["token", "sequence"])
-def test_microbatches_match_the_trainer(reduction: str) -> None:
+def _random_samples(seed: int, count: int, prompt_lens: tuple[int, int]) -> list:
+    """Samples of random tokens: prompts of ``prompt_lens`` tokens, solutions of 0-29, responses of 1-11."""
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
     samples = []
-    for i in range(11):
-        prompt = [rng.randrange(5, 50) for _ in range(rng.randrange(3, 20))]
+    for i in range(count):
+        prompt = [rng.randrange(5, 50) for _ in range(rng.randrange(*prompt_lens))]
         teacher = prompt + [rng.randrange(5, 50) for _ in range(rng.randrange(0, 30))]
         response = [rng.randrange(5, 50) for _ in range(rng.randrange(1, 12))]
         samples.append(make_sample(prompt, teacher, response, i, "stop"))
+    return samples
+
+
+@pytest.mark.parametrize("reduction", ["token", "sequence"])
+def test_microbatches_match_the_trainer(reduction: str) -> None:
+    samples = _random_samples(seed=0, count=11, prompt_lens=(3, 20))
     global_tokens, global_seqs = float(sum(s.response_len for s in samples) * 2), float(len(samples) * 2)
     mbs = make_microbatches(
         samples,
@@ -870,17 +876,9 @@ def test_bucket_widths_are_sixteen_per_doubling_and_at_most_six_percent_wider() 
 def test_microbatch_widths_in_buckets() -> None:
     """With bucket (a CPU in bf16) every padded width is a bucket width, the budget bounds the bucketed
     widths, and the positions still pick the hidden states that predict the targets."""
-    import random
-
     from opsd.data.batching import bucket_width
 
-    rng = random.Random(1)
-    samples = []
-    for i in range(9):
-        prompt = [rng.randrange(5, 50) for _ in range(rng.randrange(30, 60))]
-        teacher = prompt + [rng.randrange(5, 50) for _ in range(rng.randrange(0, 30))]
-        response = [rng.randrange(5, 50) for _ in range(rng.randrange(1, 12))]
-        samples.append(make_sample(prompt, teacher, response, i, "stop"))
+    samples = _random_samples(seed=1, count=9, prompt_lens=(30, 60))
     kw = dict(pad_id=0, reduction="token", global_tokens=100.0, global_seqs=9.0, device="cpu")
     mbs = make_microbatches(samples, max_tokens=250, bucket=True, **kw)
     bucketed = [bucket_width(max(len(s.student_ids), len(s.teacher_ids))) for s in samples]
