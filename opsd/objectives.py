@@ -205,8 +205,8 @@ def loss_chunk_size(setting: int | None, device: torch.device, engine: str) -> i
 
     Why: with the HF engine a CPU step is held near 2 GiB (the trainer trims the heap), and the
     loss's ``[rows, V]`` float32 blocks are then its peak: 128 rows took a bf16 SmolLM2-135M step from
-    2.05 to 1.86 GiB for ~5% of the loss's time (docs/benchmarks.md, "Step memory"). Beside vLLM
-    (~5 GiB resident anyway) and on a GPU the faster 256 rows are kept."""
+    2.05 to 1.86 GiB for ~5% of the loss's time (docs/benchmarks.md, "Loss chunks for the HF engine
+    on a CPU"). Beside vLLM (~5 GiB resident anyway) and on a GPU the faster 256 rows are kept."""
     if setting is not None:
         return setting
     if device.type == "cpu" and engine == "hf":

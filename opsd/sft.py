@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from opsd.config import DeviceSetting
 from opsd.data import DEFAULT_INSTRUCTION, student_prompt_ids
 from opsd.data.batching import pad_right, response_positions
+from opsd.devices import bucket_widths
 from opsd.models import final_hidden, head_weight
 from opsd.optim import make_optimizer
 
@@ -80,6 +81,8 @@ def sft(
         schedule=schedule,
         min_ratio=min_lr_ratio,
     )
+    # Widths in buckets where the CPU's bf16 attention keeps a kernel per length (bucket_widths).
+    bucket = bucket_widths(device, autocast_dtype or next(model.parameters()).dtype)
     rng = random.Random(seed)
     model.train()
     losses = []
@@ -87,7 +90,7 @@ def sft(
     for step in bar:
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
         seqs = [p + r for p, r in batch]
-        ids, mask = pad_right(seqs, pad_id, device)
+        ids, mask = pad_right(seqs, pad_id, device, bucket)
         resp = [len(r) for _, r in batch]
         pos = response_positions([len(s) for s in seqs], resp, ids.shape[1])
         targets = torch.tensor([t for _, r in batch for t in r], device=device)
