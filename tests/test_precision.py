@@ -179,6 +179,30 @@ def test_lora_adapters_and_ema_stay_float32_over_a_bf16_base(assets, tmp_path):
     assert {e.dtype for e in resumed.teacher.ema} == {FP32}
 
 
+def test_bf16_on_a_cpu_pads_to_bucket_widths(assets, tmp_path, monkeypatch):
+    """In bf16 on a CPU the trainer's micro-batches (student and teacher) are padded to bucket widths and
+    the HF engine buckets its prompts: the CPU's bf16 attention keeps a kernel per sequence length."""
+    from opsd.data.batching import bucket_width
+
+    over = {"model.dtype": "bfloat16", "optim.max_steps": 1, "rollout.max_new_tokens": 4}
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
+    assert tr.engine.bucket_widths
+    seen = []
+    real = tr.microbatches
+
+    def spy(samples):
+        mbs = real(samples)
+        seen.extend(mbs)
+        return mbs
+
+    monkeypatch.setattr(tr, "microbatches", spy)
+    tr.train()
+    pairs = [(m.student_ids, m.student_mask) for m in seen] + [(m.teacher_ids, m.teacher_mask) for m in seen]
+    widths = [(ids.shape[1], int(mask.sum(1).max())) for ids, mask in pairs]
+    assert widths and all(w == bucket_width(longest) for w, longest in widths)
+    assert any(w > longest for w, longest in widths)  # the padding is exercised
+
+
 def test_the_loss_runs_without_autocast(assets, tmp_path, monkeypatch):
     """Under one process's bf16 autocast the model forwards compute in bf16 but the loss kernel's
     products stay float32: a bf16 product there would round each logit to 2^-9 relative."""

@@ -58,8 +58,9 @@ def test_prompt_widths_in_buckets_change_no_token(tiny_model, tiny_tokenizer, pr
     assert not plain.bucket_widths  # float64 on a CPU
     wide = HFEngine(model, tiny_tokenizer, batch_size=3)
     wide.bucket_widths = True
-    longer = [(p * 16)[: 37 + 3 * i] for i, p in enumerate(prompts)]  # 37, 40, 43, ...: odd ones get wider
-    assert any(bucket_width(len(p)) != len(p) for p in longer)
+    longer = [(p * 16)[: 37 + 3 * i] for i, p in enumerate(prompts)]  # 37, 40, 43, ...
+    first = max(len(p) for p in longer[:3])  # the engine's first batch: its three shortest prompts
+    assert bucket_width(first) > first  # 43 -> 44: that batch is padded wider
     a, b = _greedy(plain, longer), _greedy(wide, longer)
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for x, y in zip(a, b, strict=True):
