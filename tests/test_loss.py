@@ -219,6 +219,24 @@ def test_every_kernel_reports_both_entropies_over_the_full_vocabulary(kw):
     assert st.agree == (zs.argmax(-1) == zt.argmax(-1)).sum().item()
 
 
+@pytest.mark.parametrize("kw", [{"beta": 0.0, "clip_mode": "entry", "clip": 0.05}, {"mode": "sampled"}])
+def test_a_shared_head_gives_what_two_heads_give(kw):
+    """With one head tensor (LoRA) student and teacher rows go through one product; with two (a full
+    fine-tune's fixed teacher) through one each. Float64, the same dot products over H=16: at most
+    reassociated, ~16 u relative per logit, so loss and gradient agree to 1e-12."""
+    hs, ht, w, y = make(n=11, seed=9)
+    spec = DistillSpec(temperature=1.1, **kw)
+    got = []
+    for wt in (w, w.clone()):
+        h = hs.clone().requires_grad_()
+        lp = torch.full((11,), float("nan"), dtype=torch.float64)
+        loss, st = fused_linear_distill(h, w, ht, wt, targets=y, spec=spec, chunk_size=4, target_logprobs=lp)
+        loss.backward()
+        got.append((loss.detach(), h.grad, lp, float(st.entropy_teacher)))
+    for one, two in zip(*got):
+        torch.testing.assert_close(one, two, rtol=1e-12, atol=1e-14)
+
+
 def test_top1_agreement_takes_the_first_of_tied_maxima_like_argmax():
     """The kernel counts agreement with ``max(-1).indices`` (faster than ``argmax`` on a CPU); both take
     the first maximal index, so rows whose maxima tie count as argmax counts them. Exact: no arithmetic."""

@@ -350,6 +350,19 @@ def _logits_bf16(h: Tensor, w: Tensor) -> Tensor:
     return hi.float().add_(lo)
 
 
+def _tempered_logits(h: Tensor, w: Tensor, inv_t: float, matmul_dtype: torch.dtype | None) -> Tensor:
+    """``(h @ w.T) / T`` for a chunk of rows, in the compute dtype (float32 for bf16 products).
+
+    Student and teacher rows that share a head go through it together: a product's time on a CPU
+    grows far less than its rows (bf16 at SmolLM2's head: 512 rows 14.6 ms against 9.7 for 256, the
+    second product of :func:`_logits_bf16` 16.6 against 13.8; float32 90 against 51), because each
+    product streams the whole ``[V, H]`` head (development readings).
+    """
+    if matmul_dtype is None:
+        return (h * inv_t) @ w.t()
+    return _logits_bf16(h, w).mul_(inv_t)
+
+
 @kernel_precision
 def fused_linear_distill(
     student_hidden: Tensor,
@@ -420,12 +433,11 @@ def fused_linear_distill(
         idx = rows[start : start + step]
         hs = hs_all.index_select(0, idx).to(mm)
         ht = ht_all.index_select(0, idx).to(mm)
-        if matmul_dtype is None:
-            a = (hs * inv_t) @ ws.t()  # tempered logits, one chunk
-            b = (ht * inv_t) @ wt.t()
+        if wt is ws:  # one head (LoRA's): both blocks from one product, which reads the [V, H] head once
+            a, b = _tempered_logits(torch.cat([hs, ht]), ws, inv_t, matmul_dtype).split(idx.numel())
         else:
-            a = _logits_bf16(hs, ws).mul_(inv_t)
-            b = _logits_bf16(ht, wt).mul_(inv_t)
+            a = _tempered_logits(hs, ws, inv_t, matmul_dtype)
+            b = _tempered_logits(ht, wt, inv_t, matmul_dtype)
         del ht
         w = w_all.index_select(0, idx)
         y = targets.index_select(0, idx) if targets is not None else None
