@@ -261,9 +261,8 @@ def _sampled_chunk(
 # ---------------------------------------------------------------------------------------------
 # The loss modes, one chunk kernel each: ``(a, b, y, w, spec, *, need_grad, with_stats, lp) -> (sum_n w_n
 # L_n, dL/da or None, stats)`` for tempered logits ``a``, ``b`` and sampled tokens ``y``; ``lp``, when
-# given, gets ``log S(y)`` over the full vocabulary. A new mode is
-# a kernel and an entry here, a dense reference in ``reference.DENSE`` and its name and option checks
-# in ``spec.py`` (docs/architecture.md).
+# given, gets ``log S(y)`` over the full vocabulary. A new mode is a kernel and an entry here, a dense
+# reference in ``reference.DENSE`` and its name and option checks in ``spec.py`` (docs/architecture.md).
 
 KERNELS = {"jsd": _divergence_chunk, "topk": _divergence_chunk, "sampled": _sampled_chunk}
 
