@@ -40,6 +40,7 @@ __all__ = [
     "final_hidden",
     "head_weight",
     "load_model",
+    "lean_lora_forward",
     "load_tokenizer",
     "lora_folded",
     "merged_state_dict",
@@ -252,7 +253,7 @@ def _float64_rope(
 # --- training setup ---------------------------------------------------------------------------
 
 
-def frozen_weights_for_cpu(*models: nn.Module | None) -> int:
+def frozen_weights_for_cpu(*models: nn.Module | None, column_major: bool = True) -> int:
     """Lays out every frozen ``nn.Linear`` weight column-major on the CPU (the same ``[out, in]``
     values, stored as the contiguous transpose) and copies every other frozen CPU tensor into the
     process's own memory. Returns how many weights changed layout.
@@ -263,6 +264,12 @@ def frozen_weights_for_cpu(*models: nn.Module | None) -> int:
     may round differently in the last bit, the same for every forward that reads them. Copying also
     releases the checkpoint's memory map, which would otherwise stay resident beside the copies.
     Trainable weights keep their layout: their gradients, optimizer state and checkpoints are as before.
+
+    ``column_major=False`` only copies: for a process that never decodes with these weights (rollouts
+    in vLLM). There the layout gains nothing (a bf16 student pass ran as fast either way) and costs
+    each weight sync a transposing pass: adding a LoRA delta to a column-major weight into the
+    row-major sum vLLM reads took ~0.12 s of a ~0.44 s bf16 sync (docs/benchmarks.md, "LoRA's scale
+    on the weight").
     """
     seen: set[int] = set()
     moved = 0
@@ -274,7 +281,7 @@ def frozen_weights_for_cpu(*models: nn.Module | None) -> int:
             if id(t) in seen or t.requires_grad or t.device.type != "cpu":
                 continue
             seen.add(id(t))
-            if id(t) in linear and t.dim() == 2:
+            if column_major and id(t) in linear and t.dim() == 2:
                 t.data = t.data.t().contiguous().t()
                 moved += 1
             else:
@@ -314,7 +321,50 @@ def apply_lora(
         model.enable_input_require_grads()
     peft_model = get_peft_model(model, config)
     portable_lora_init(peft_model)
+    lean_lora_forward(peft_model)
     return peft_model.train()
+
+
+def lean_lora_forward(model: nn.Module) -> int:
+    """Every plain LoRA ``Linear`` of ``model`` computes ``base(x) + A(x) @ (scale * B).T`` instead of
+    peft's ``base(x) + B(A(x)) * scale``. Returns how many modules it changed.
+
+    Why: the scale then multiplies B's ``[out, r]`` weight instead of the ``[tokens, out]`` output,
+    in the forward and again in the backward: a bf16 student forward + backward of one SmolLM2-135M
+    micro-batch ran 7% faster (float32 3%; ~2% of the trainer's student phase) on a 2-core AMX CPU
+    (docs/benchmarks.md, "LoRA's scale on the weight"). With a power-of-two scale (peft's alpha / r
+    at the usual settings) every value is the same bit for bit; otherwise the products round
+    differently in the last bit. Adapters with a bias, variants (DoRA), mixed-adapter batches and a
+    disabled or merged adapter run peft's own forward; state dicts, merges and checkpoints are
+    untouched.
+    """
+    from peft.tuners.lora.layer import Linear
+
+    changed = 0
+    for mod in model.modules():
+        if type(mod) is not Linear or not hasattr(mod, "_cast_input_dtype"):
+            continue
+        mod.forward = partial(_lean_lora_forward, mod)
+        changed += 1
+    return changed
+
+
+def _lean_lora_forward(mod: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+    """peft's ``lora.Linear.forward`` for plain adapters, the scale applied to B's weight."""
+    adapters = [a for a in mod.active_adapters if a in mod.lora_A]
+    variants = getattr(mod, "lora_variant", {})
+    dora = getattr(mod, "use_dora", {})
+    plain = not any(a in variants or dora.get(a, False) or mod.lora_B[a].bias is not None for a in adapters)
+    if mod.disable_adapters or mod.merged or kwargs.get("adapter_names") is not None or not plain:
+        return type(mod).forward(mod, x, *args, **kwargs)
+    result = mod.base_layer(x, *args, **kwargs)
+    dtype = result.dtype
+    for name in adapters:
+        a = mod.lora_A[name]
+        x = mod._cast_input_dtype(x, a.weight.dtype)
+        h = a(mod.lora_dropout[name](x))
+        result = result + nn.functional.linear(h, mod.lora_B[name].weight * mod.scaling[name])
+    return result.to(dtype)
 
 
 @torch.no_grad()
@@ -492,10 +542,13 @@ def _plus_deltas(value: Tensor, mod: nn.Module, name: str, *, out: Tensor | None
         if getattr(mod, "use_dora", {}).get(adapter, False):
             raise NotImplementedError(f"{name}: merging a DoRA adapter out of place is not supported")
         if result is None and out is not None and out.is_contiguous() and _plain_lora(mod, adapter, value):
-            # get_delta_weight's (B @ A) * scale, written into `out` itself, plus the weight (a + b is
-            # b + a, exactly): one new matrix instead of three, the same values as peft's merge.
-            result = torch.mm(mod.lora_B[adapter].weight, mod.lora_A[adapter].weight, out=out)
-            result.mul_(mod.scaling[adapter]).add_(value)
+            # get_delta_weight's (B @ A) * scale rounded to the weight's dtype, as its .to() rounds it,
+            # written into `out` itself, plus the weight (a + b is b + a, exactly): one new matrix
+            # instead of three (none with adapters in the weight's dtype), peft's values bit for bit.
+            b = mod.lora_B[adapter].weight
+            a = mod.lora_A[adapter].weight
+            delta = torch.mm(b, a, out=out) if b.dtype == out.dtype else torch.mm(b, a)
+            result = torch.mul(delta, mod.scaling[adapter], out=out).add_(value)
             continue
         delta = mod.get_delta_weight(adapter).detach().to(value.dtype)
         if result is None:
@@ -508,13 +561,16 @@ def _plus_deltas(value: Tensor, mod: nn.Module, name: str, *, out: Tensor | None
 
 
 def _plain_lora(mod: nn.Module, adapter: str, value: Tensor) -> bool:
-    """Whether peft's ``get_delta_weight`` is plain ``(B @ A) * scale`` in ``value``'s dtype here: a
-    LoRA ``Linear`` that is not fan-in-fan-out and does not cast (it casts bf16/fp16 on a CPU)."""
+    """Whether peft's ``get_delta_weight`` is plain ``(B @ A) * scale`` in the adapter's dtype here: a
+    LoRA ``Linear`` that is not fan-in-fan-out and does not cast (it casts bf16/fp16 on a CPU), with
+    adapters no narrower than ``value`` (float32 adapters on a bf16 base: LoRA's default here)."""
     from peft.tuners.lora.layer import Linear
 
     b = mod.lora_B[adapter].weight
     cast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
-    return type(mod) is Linear and not mod.fan_in_fan_out and b.dtype == value.dtype and not cast
+    wide = b.dtype == value.dtype or b.dtype == torch.float32
+    same = mod.lora_A[adapter].weight.dtype == b.dtype
+    return type(mod) is Linear and not mod.fan_in_fan_out and wide and same and not cast
 
 
 @contextmanager

@@ -136,7 +136,8 @@ class Trainer:
         # The same seed on every rank: LoRA's initial weights must agree before sharding.
         torch.manual_seed(cfg.seed)
         # What is trained for: distillation, GRPO, or both; it says what it needs from data and teacher.
-        loss_chunk = loss_chunk_size(cfg.loss.chunk_size, self.device, resolve_engine(cfg.rollout.engine)[0])
+        engine_kind = resolve_engine(cfg.rollout.engine)[0]
+        loss_chunk = loss_chunk_size(cfg.loss.chunk_size, self.device, engine_kind)
         self.objective = make_objective(cfg, loss_chunk)
         # The held-out divergence (eval.divergence) is distillation's, whatever the objective.
         self.heldout = make_distillation(cfg, loss_chunk)
@@ -171,7 +172,8 @@ class Trainer:
                 teacher_offload=self.teacher.offload_shards,
             )
         if self.dist.mesh is None and self.device.type == "cpu":  # faster CPU GEMMs on frozen weights
-            models.frozen_weights_for_cpu(self.model, self.teacher.model)
+            # Column-major only where this process decodes: a weight sync into vLLM would transpose.
+            models.frozen_weights_for_cpu(self.model, self.teacher.model, column_major=engine_kind == "hf")
         if cfg.model.compile:  # after the weights' last change of layout, which the compiled code assumes
             n = models.compile_layers(self.model, self.teacher.model)
             print(f"model.compile: {n} decoder layers compile at the first step", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import string
 import time
@@ -421,6 +422,97 @@ def test_merged_weights_of_column_major_weights_and_two_adapters_match_merge_and
     for k, v in reference.items():
         assert merged[k].is_contiguous(), k
         torch.testing.assert_close(merged[k], v, rtol=0, atol=0)
+
+
+def _peft_forward(model) -> None:
+    """Back to peft's own LoRA forward (what :func:`models.lean_lora_forward` replaced)."""
+    for mod in model.modules():
+        mod.__dict__.pop("forward", None)
+
+
+def _loss_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids).logits
+    (logits.square().mean() + logits[:, -1, 3].sum()).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+@pytest.mark.parametrize("alpha", [8, 6])  # r=4: scale 2, a power of two, and 1.5
+def test_lean_lora_forward_gives_peft_values(tiny_model, alpha):
+    """The scale on B's weight instead of the output: a power-of-two scale (alpha / r = 2) scales every
+    rounded value exactly, so logits and every gradient equal peft's bit for bit (float32); scale 1.5
+    rounds differently, so float64, where a few roundings of 2^-53 on O(1) values stay far below 1e-12."""
+    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+    lora = _lora(tiny_model, alpha=alpha, target_modules=targets)
+    _randomize_lora_b(lora)
+    lean = [m for m in lora.modules() if "forward" in m.__dict__]
+    assert len(lean) == 4 * tiny_model.config.num_hidden_layers
+    peft = copy.deepcopy(lora)
+    _peft_forward(peft)
+    if alpha == 6:
+        lora.double()
+        peft.double()
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    out, grads = _loss_and_grads(lora, ids)
+    ref, ref_grads = _loss_and_grads(peft, ids)
+    assert grads.keys() == ref_grads.keys() and all("lora_" in n for n in grads)
+    if alpha == 8:
+        assert torch.equal(out, ref)
+        assert all(torch.equal(g, ref_grads[n]) for n, g in grads.items())
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-12, atol=1e-12)
+
+
+def test_lean_lora_forward_keeps_dropout_disable_and_merge(tiny_model):
+    """Dropout draws the same masks (one seed, the same calls in the same order); with the adapter
+    disabled the module is the base layer (the LoRA teacher); a merged adapter is not added twice."""
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = tiny_model(input_ids=ids).logits
+    lora = _lora(tiny_model, alpha=8, dropout=0.3)
+    _randomize_lora_b(lora)
+    peft = copy.deepcopy(lora)
+    _peft_forward(peft)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        out = lora(input_ids=ids).logits
+        torch.manual_seed(5)
+        ref = peft(input_ids=ids).logits
+        assert torch.equal(out, ref) and not torch.equal(out, base)
+        with lora.disable_adapter():
+            assert torch.equal(lora(input_ids=ids).logits, base)
+        lora.eval()
+        peft.eval()
+        unmerged = lora(input_ids=ids).logits
+        lora.merge_adapter()
+        # float32: W + s B A rounds each weight once (2^-24 relative) and the products sum 64 terms
+        # in another order: ~1e-6 on these O(1) logits; an adapter added twice would move them by O(1).
+        torch.testing.assert_close(lora(input_ids=ids).logits, unmerged, rtol=1e-5, atol=1e-5)
+        assert torch.equal(unmerged, peft(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+def test_merged_weights_of_a_bf16_base_with_float32_adapters_match_peft(tiny_model, column_major):
+    """LoRA's default on a bf16 model: float32 adapters. Each delta is rounded to bf16 and then added
+    (what peft's safe merge computes: ``W + delta.to(W.dtype)``), bit for bit, in either layout."""
+    from opsd.models import frozen_weights_for_cpu
+
+    lora = _lora(tiny_model.to(torch.bfloat16), alpha=6, target_modules=["q_proj", "v_proj", "up_proj"])
+    _randomize_lora_b(lora)
+    v_proj = lora.base_model.model.model.layers[0].self_attn.v_proj
+    assert v_proj.lora_B["default"].weight.dtype == torch.float32
+    assert v_proj.base_layer.weight.dtype == torch.bfloat16
+    frozen_weights_for_cpu(lora, column_major=column_major)
+    assert v_proj.base_layer.weight.is_contiguous() != column_major
+    merged = dict(merged_weights(lora))
+    reference = lora.merge_and_unload(safe_merge=True).state_dict()
+    assert merged.keys() == reference.keys()
+    for k, v in reference.items():
+        assert merged[k].dtype == torch.bfloat16 and merged[k].is_contiguous(), k
+        assert torch.equal(merged[k], v), k
 
 
 def test_merged_state_dict_of_a_plain_model_is_its_state_dict(tiny_model):
