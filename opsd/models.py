@@ -352,10 +352,8 @@ def lean_lora_forward(model: nn.Module) -> int:
 def _lean_lora_forward(mod: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
     """peft's ``lora.Linear.forward`` for plain adapters, the scale applied to B's weight."""
     adapters = [a for a in mod.active_adapters if a in mod.lora_A]
-    variants = getattr(mod, "lora_variant", {})
-    dora = getattr(mod, "use_dora", {})
-    plain = not any(a in variants or dora.get(a, False) or mod.lora_B[a].bias is not None for a in adapters)
-    if mod.disable_adapters or mod.merged or kwargs.get("adapter_names") is not None or not plain:
+    special = any(_needs_peft_forward(mod, a) for a in adapters)
+    if mod.disable_adapters or mod.merged or special or kwargs.get("adapter_names") is not None:
         return type(mod).forward(mod, x, *args, **kwargs)
     result = mod.base_layer(x, *args, **kwargs)
     dtype = result.dtype
@@ -365,6 +363,15 @@ def _lean_lora_forward(mod: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
         h = a(mod.lora_dropout[name](x))
         result = result + nn.functional.linear(h, mod.lora_B[name].weight * mod.scaling[name])
     return result.to(dtype)
+
+
+def _needs_peft_forward(mod: nn.Module, adapter: str) -> bool:
+    """What the lean forward leaves to peft: a variant (DoRA) or an adapter with a bias."""
+    if adapter in getattr(mod, "lora_variant", {}):
+        return True
+    if getattr(mod, "use_dora", {}).get(adapter, False):
+        return True
+    return mod.lora_B[adapter].bias is not None
 
 
 @torch.no_grad()

@@ -494,6 +494,26 @@ def test_lean_lora_forward_keeps_dropout_disable_and_merge(tiny_model):
         assert torch.equal(unmerged, peft(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("kind", ["dora", "bias"])
+def test_lean_lora_forward_leaves_dora_and_biased_adapters_to_peft(tiny_model, kind):
+    """A DoRA adapter or one with a bias runs peft's own forward: the same logits as without the lean
+    forward, bit for bit (dropping the magnitude or the bias's scale would move them by O(0.1))."""
+    from peft import LoraConfig, get_peft_model
+
+    extra = {"use_dora": True} if kind == "dora" else {"lora_bias": True}
+    lora = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], **extra))
+    _randomize_lora_b(lora)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n and n.endswith("bias"):
+                p.fill_(0.3)
+    peft = copy.deepcopy(lora)
+    assert models.lean_lora_forward(lora) == tiny_model.config.num_hidden_layers
+    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(lora(input_ids=ids).logits, peft(input_ids=ids).logits)
+
+
 @pytest.mark.parametrize("column_major", [False, True])
 def test_merged_weights_of_a_bf16_base_with_float32_adapters_match_peft(tiny_model, column_major):
     """LoRA's default on a bf16 model: float32 adapters. Each delta is rounded to bf16 and then added
