@@ -70,8 +70,10 @@ def oracle(
     return loss.item(), h64.grad
 
 
-def _one_bf16_product(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return (h @ w.t()).float()
+def _one_bf16_product(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_logits_bf16``'s ``(hi, lo)`` with the second product's correction left out (a zero ``lo``)."""
+    hi = h @ w.t()
+    return hi, torch.zeros_like(hi)
 
 
 def run(

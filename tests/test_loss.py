@@ -403,6 +403,43 @@ def test_bf16_matmul_follows_the_float32_path(kw):
     assert torch.all(h16[2] == 0)
 
 
+@pytest.mark.parametrize("mm", [None, torch.bfloat16], ids=["compute-dtype", "bf16-products"])
+@pytest.mark.parametrize("kw", CASES, ids=IDS)
+def test_slabs_within_a_chunk_change_nothing(kw, mm, monkeypatch):
+    """The kernels run a few rows (a slab) of each chunk's products at a time (fused.SLAB_ELEMENTS): slabs
+    of 3 rows in chunks of 7 (a short last slab in each) give what one slab per chunk gives."""
+    import opsd.loss.fused as fused
+
+    dtype = torch.float64 if mm is None else torch.bfloat16
+    hs, ht, w, y = make(n=17, v=40, seed=11, dtype=dtype)
+    weights = torch.rand(17, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    weights[4] = 0.0
+    spec = DistillSpec(temperature=1.2, **kw)
+    out = []
+    for rows in (7, 3):
+        monkeypatch.setattr(fused, "SLAB_ELEMENTS", rows * w.shape[0])
+        h1, w1 = hs.clone().requires_grad_(), w.clone().requires_grad_()
+        lp = torch.zeros(17, dtype=torch.float64 if mm is None else torch.float32)
+        loss, st = fused_linear_distill(
+            h1, w1, ht, w1, weights, y, spec, chunk_size=7, matmul_dtype=mm, target_logprobs=lp
+        )
+        loss.backward()
+        out.append((loss.detach().double(), st, h1.grad.double(), w1.grad.double(), lp.double()))
+    (l7, s7, h7, w7, lp7), (l3, s3, h3, w3, lp3) = out
+    # Each row's arithmetic is the same whatever rows share its slab; only sums over rows regroup: the loss
+    # and the stats over 17 rows, the weight gradient's products over a chunk's rows (the slab writes dL/dz
+    # into the chunk's block, one product per chunk either way). float64: <= 17 * u * (sum of |terms| <=
+    # ~50) = 2e-13. bf16 products: float32 sums, u = 6e-8, so <= 17 * 6e-8 * 50 = 5e-5 on the loss and
+    # stats; the gradients leave the same bf16 products and roundings (exactly equal, asserted so).
+    tol = 1e-12 if mm is None else 5e-5
+    torch.testing.assert_close(l3, l7, rtol=0, atol=tol)
+    torch.testing.assert_close(h3, h7, rtol=0, atol=tol if mm is None else 0)
+    torch.testing.assert_close(w3, w7, rtol=0, atol=tol if mm is None else 0)
+    torch.testing.assert_close(lp3, lp7, rtol=0, atol=0)
+    for name in ("tokens", "divergence", "clipped", "entropy_student", "entropy_teacher", "agree"):
+        assert abs(getattr(s3, name) - getattr(s7, name)) <= 100 * tol, name
+
+
 def test_matmul_dtype_arguments():
     hs, ht, w, y = make()
     with pytest.raises(ValueError, match="needs float32 or bfloat16 inputs"):

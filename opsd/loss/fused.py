@@ -335,22 +335,25 @@ def _same_tensor(x: Tensor, y: Tensor) -> bool:
     return same_layout and x.device == y.device and x.data_ptr() == y.data_ptr()
 
 
-def _logits_bf16(h: Tensor, w: Tensor) -> Tensor:
-    """``h @ w.T`` in float32 from two bfloat16 matrix products, accurate to about 2^-17 of each logit.
+def _logits_bf16(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """``h @ w.T`` as two bfloat16 blocks ``hi + lo``, accurate to about 2^-17 of each logit.
 
     A bf16 product accumulates in float32 but rounds its output to bf16 (2^-9 relative: 0.06 at
     a logit of 30, which swamps a divergence of 1e-4). The second product takes the rounded one as
     its accumulator, ``h @ w.T - hi``: the rounding error, itself rounded only to bf16 of its own
     small size. This relies on the accumulator being added in float32 before the output is
-    rounded, which oneDNN and cuBLAS do (the bf16 tests would show it otherwise).
+    rounded, which oneDNN and cuBLAS do (the bf16 tests would show it otherwise). The float32 sum
+    is taken a slab of rows at a time (:func:`_slab`).
     """
     hi = h @ w.t()
     lo = torch.addmm(hi, h, w.t(), beta=-1)
-    return hi.float().add_(lo)
+    return hi, lo
 
 
-def _tempered_logits(h: Tensor, w: Tensor, inv_t: float, matmul_dtype: torch.dtype | None) -> Tensor:
-    """``(h @ w.T) / T`` for a chunk of rows, in the compute dtype (float32 for bf16 products).
+def _head_products(
+    h: Tensor, w: Tensor, inv_t: float, matmul_dtype: torch.dtype | None
+) -> tuple[Tensor, Tensor | None]:
+    """A chunk's logit products: ``((h @ w.T) / T, None)`` in the compute dtype, or bf16 ``(hi, lo)``.
 
     Student and teacher rows that share a head go through it together: a product's time on a CPU
     grows far less than its rows (bf16 at SmolLM2's head: 512 rows 14.6 ms against 9.7 for 256, the
@@ -358,8 +361,65 @@ def _tempered_logits(h: Tensor, w: Tensor, inv_t: float, matmul_dtype: torch.dty
     product streams the whole ``[V, H]`` head (development readings).
     """
     if matmul_dtype is None:
-        return (h * inv_t) @ w.t()
-    return _logits_bf16(h, w).mul_(inv_t)
+        return (h * inv_t) @ w.t(), None
+    return _logits_bf16(h, w)
+
+
+def _slab(hi: Tensor, lo: Tensor | None, rows: slice, inv_t: float) -> Tensor:
+    """Some rows of :func:`_head_products`' output as tempered logits in the compute dtype.
+
+    The float32 view itself, or for bf16 products the new float32 block ``(hi + lo) / T``."""
+    if lo is None:
+        return hi[rows]
+    return hi[rows].float().add_(lo[rows]).mul_(inv_t)
+
+
+# Elements per slab: the chunk kernels take a few rows of a chunk's products at a time (64 at
+# SmolLM2's vocabulary, 20 at Qwen3's), so the ~20 passes each makes over its [rows, V] blocks touch
+# 12 MB blocks instead of a 256-row chunk's 50 MB ones; the products still take the whole chunk, which
+# is what amortizes reading the [V, H] head. The loss's forward and backward over 1024 rows of
+# SmolLM2's head, with the trainer's heap reuse, on a 2-core AMX CPU: bf16 products 0.55-0.57 s
+# against 0.69-0.73 s in one slab per chunk, float32 0.91-0.96 against 0.98-1.01 (development readings,
+# docs/benchmarks.md, "The loss in slabs").
+SLAB_ELEMENTS = 3 << 20
+
+
+def _chunk_loss(
+    zs: Tensor,
+    lo_s: Tensor | None,
+    zt: Tensor,
+    lo_t: Tensor | None,
+    y: Tensor | None,
+    w: Tensor,
+    lp: Tensor | None,
+    spec: DistillSpec,
+    inv_t: float,
+    *,
+    need_grad: bool,
+    with_stats: bool,
+) -> tuple[Tensor, LossStats]:
+    """The mode's kernel over one chunk's products (:func:`_head_products`), a slab of rows at a time.
+
+    Returns the chunk's ``sum_n w_n L_n`` and stats. With ``need_grad`` it writes ``dL/dz`` over the
+    student's products ``zs``, whose logits each slab has spent by then (on the bf16 path rounded to
+    bf16, the dtype of the gradient's product), so the gradient takes no block of its own.
+    """
+    slab = max(1, SLAB_ELEMENTS // zs.shape[1])
+    total = zs.new_zeros((), dtype=w.dtype)
+    stats = LossStats()
+    for r in range(0, zs.shape[0], slab):
+        rows = slice(r, r + slab)
+        a = _slab(zs, lo_s, rows, inv_t)
+        b = _slab(zt, lo_t, rows, inv_t)
+        y_r = y[rows] if y is not None else None
+        lp_r = lp[rows] if lp is not None else None
+        kernel = KERNELS[spec.mode]
+        loss, grad, st = kernel(a, b, y_r, w[rows], spec, need_grad=need_grad, with_stats=with_stats, lp=lp_r)
+        total += loss
+        stats.add(st)
+        if grad is not None:
+            zs[rows].copy_(grad)
+    return total, stats
 
 
 @kernel_precision
@@ -428,39 +488,42 @@ def fused_linear_distill(
     stats = LossStats()
     step = chunk_size or auto_chunk_size(ws.shape[0])
     inv_t = 1.0 / spec.temperature
+    need_grad = need_grad_h or need_grad_w
     for start in range(0, rows.numel(), step):
         idx = rows[start : start + step]
+        c = idx.numel()
         hs = hs_all.index_select(0, idx).to(mm)
         ht = ht_all.index_select(0, idx).to(mm)
         if wt is ws:  # one head (LoRA's): both blocks from one product, which reads the [V, H] head once
-            a, b = _tempered_logits(torch.cat([hs, ht]), ws, inv_t, matmul_dtype).split(idx.numel())
+            z, lo = _head_products(torch.cat([hs, ht]), ws, inv_t, matmul_dtype)
+            zs, zt = z.split(c)
+            lo_s, lo_t = lo.split(c) if lo is not None else (None, None)
+            del z, lo  # the views hold them: lo goes when lo_s and lo_t do, below
         else:
-            a = _tempered_logits(hs, ws, inv_t, matmul_dtype)
-            b = _tempered_logits(ht, wt, inv_t, matmul_dtype)
+            zs, lo_s = _head_products(hs, ws, inv_t, matmul_dtype)
+            zt, lo_t = _head_products(ht, wt, inv_t, matmul_dtype)
         del ht
         w = w_all.index_select(0, idx)
         y = targets.index_select(0, idx) if targets is not None else None
-        lp = a.new_empty(idx.shape) if target_logprobs is not None else None
-        kw = dict(need_grad=need_grad_h or need_grad_w, with_stats=with_stats, lp=lp)
-        loss, gz, st = KERNELS[spec.mode](a, b, y, w, spec, **kw)
-        del a, b
+        lp = zs.new_empty(c, dtype=dtype) if target_logprobs is not None else None
+        kw = dict(need_grad=need_grad, with_stats=with_stats)
+        loss, st = _chunk_loss(zs, lo_s, zt, lo_t, y, w, lp, spec, inv_t, **kw)
+        del zt, lo_s, lo_t
         if lp is not None:
             target_logprobs.index_copy_(0, idx, lp.to(target_logprobs.dtype))
         total += loss
         stats.add(st)
-        if gz is None:
+        if not need_grad:
+            continue
+        gz = zs  # dL/dz, written over the student's products by _chunk_loss
+        if grad_h is not None:
+            grad_h.index_copy_(0, idx, (gz @ ws).to(dtype))
+        if grad_w is None:
             continue
         if matmul_dtype is None:
-            if grad_h is not None:
-                grad_h.index_copy_(0, idx, gz @ ws)
-            if grad_w is not None:
-                grad_w.addmm_(gz.t(), hs)
+            grad_w.addmm_(gz.t(), hs)
         else:
-            gz = gz.to(mm)
-            if grad_h is not None:
-                grad_h.index_copy_(0, idx, (gz @ ws).to(dtype))
-            if grad_w is not None:
-                grad_w += gz.t() @ hs
+            grad_w += gz.t() @ hs
     stats.materialize()  # the chunks' statistics, read back once
     if not (need_grad_h or need_grad_w):
         return total, stats
