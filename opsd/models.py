@@ -27,6 +27,7 @@ from opsd.fetch import (
     opsd_home,
 )
 from opsd.precision import DTYPES
+from opsd.rmsnorm import PLAIN_RMSNORMS, lean_rms_norms
 
 __all__ = [
     "CHATML_SPECIAL_TOKENS",
@@ -41,6 +42,7 @@ __all__ = [
     "head_weight",
     "load_model",
     "lean_lora_forward",
+    "lean_rms_norms",
     "load_tokenizer",
     "lora_folded",
     "merged_state_dict",
@@ -203,9 +205,6 @@ def load_model(
 
 
 # RMSNorm classes whose forward is ``weight * x * rsqrt(mean(x^2) + eps)`` computed in float32.
-_PLAIN_RMSNORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
-
-
 def head_size(config) -> int:
     """An attention head's width: the config's ``head_dim`` where it sets one, else hidden size / heads."""
     explicit = getattr(config, "head_dim", None)
@@ -221,7 +220,7 @@ def float64_throughout(model: nn.Module) -> None:
     of Llama/Qwen/Mistral in float64; other RoPE types and norms keep transformers' own code.
     """
     for mod in model.modules():
-        if type(mod).__name__ in _PLAIN_RMSNORMS:
+        if type(mod).__name__ in PLAIN_RMSNORMS:
             mod.register_forward_hook(_float64_rmsnorm)
             continue
         cfg = getattr(mod, "config", None)

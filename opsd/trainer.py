@@ -177,6 +177,8 @@ class Trainer:
         if cfg.model.compile:  # after the weights' last change of layout, which the compiled code assumes
             n = models.compile_layers(self.model, self.teacher.model)
             print(f"model.compile: {n} decoder layers compile at the first step", file=sys.stderr)
+        else:  # compiled layers fuse the norms themselves
+            models.lean_rms_norms(self.model, self.teacher.model)
         self.teacher.start()  # the EMA snapshot, of the student as sharded
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))

@@ -14,6 +14,7 @@ from helpers import build_assets, make_cfg
 
 from opsd import Trainer, models
 from opsd.errors import UserError
+from opsd.rmsnorm import PLAIN_RMSNORMS
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,8 @@ def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
     tr = Trainer(make_cfg(assets, tmp_path / "compiled", **{**over, "model.compile": "true"}))
     layers = models.base_model(tr.model).get_decoder().layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
+    norms = [m for m in tr.model.modules() if type(m).__name__ in PLAIN_RMSNORMS]
+    assert norms and not any("forward" in m.__dict__ for m in norms)  # inductor fuses transformers' own
     compiled = tr.train()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # something did compile
     assert generate_stances and set(generate_stances) == {"force_eager"}  # decoding runs eager

@@ -70,12 +70,19 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _same(got: list[dict], want: list[dict], rel: float, keys=KEYS) -> None:
+# The loss and divergence are means of per-token divergences near 1e-5 nats, each a sum of ~6-nat float32
+# log-probability differences: rounding moves one by up to ~u32 * 6 = 3.6e-7 nats. Runs whose weights differ
+# by rounding (another world size packs other micro-batches) agree to that, not relatively: 4e-7.
+LOSS_FLOOR = 4e-7
+
+
+def _same(got: list[dict], want: list[dict], rel: float, keys=KEYS, loss_floor: float = 1e-9) -> None:
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for a, b in zip(got, want):
         assert a.keys() == b.keys()
         for k in (k for k in keys if k in b):
-            assert a[k] == pytest.approx(b[k], rel=rel, abs=1e-9), (a["step"], k, a[k], b[k])
+            floor = loss_floor if k in ("loss", "divergence") else 1e-9
+            assert a[k] == pytest.approx(b[k], rel=rel, abs=floor), (a["step"], k, a[k], b[k])
 
 
 def _runs_worker(d, paths: dict, root: str) -> None:
@@ -102,7 +109,8 @@ def test_two_ranks_match_one_and_resume_across_world_sizes(assets, tmp_path):
     Where the arithmetic differs: another world size packs the micro-batches differently, so hidden
     states differ by float rounding. At the first step the gradient norm agrees to ~1e-7 relative
     and the loss, a small difference of ~6-nat float32 entropies, to ~3e-5; AdamW then turns the
-    rounding in near-zero gradients into small weight differences, so later steps agree to ~3e-4.
+    rounding in near-zero gradients into small weight differences, so later steps agree to ~3e-4 (the
+    gradient norm ~1e-6) and the loss to its float32 floor (LOSS_FLOOR; measured 6.8e-8 at 3.7e-5).
     Sampled rollouts and dropout draw from per-rank generators: after a world-size change they
     draw other numbers, so a sampled run resumed at another world size continues correctly but not
     bit for bit like the uninterrupted one.
@@ -116,7 +124,8 @@ def test_two_ranks_match_one_and_resume_across_world_sizes(assets, tmp_path):
     greedy = _metrics(tmp_path / "greedy-full")
     one = Trainer(make_cfg(assets, tmp_path / "greedy-one", **_greedy(assets))).train()
     _same(greedy[:1], one[:1], rel=1e-4)
-    _same(greedy, one, rel=1e-3, keys=KEYS + ("eval/avg@1", "eval/resp_len_mean", "eval/no_answer_frac"))
+    keys = KEYS + ("eval/avg@1", "eval/resp_len_mean", "eval/no_answer_frac")
+    _same(greedy, one, rel=1e-3, keys=keys, loss_floor=LOSS_FLOOR)
     assert all("eval/avg@1" in r for r in greedy[1::2])
     want = _safetensors(tmp_path / "greedy-one")
     for k, v in _safetensors(tmp_path / "greedy-full").items():  # rank 0's export from gathered weights
@@ -124,7 +133,7 @@ def test_two_ranks_match_one_and_resume_across_world_sizes(assets, tmp_path):
 
     resumed = Trainer(make_cfg(assets, tmp_path / "greedy-part", **_greedy(assets)), resume=True)
     assert resumed.step_num == 2
-    _same(resumed.train(), greedy[2:], rel=1e-3)
+    _same(resumed.train(), greedy[2:], rel=1e-3, loss_floor=LOSS_FLOOR)
 
 
 def _check_lora_export(ckpt: Path, base: str) -> None:
