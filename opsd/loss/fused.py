@@ -374,13 +374,14 @@ def _slab(hi: Tensor, lo: Tensor | None, rows: slice, inv_t: float) -> Tensor:
     return hi[rows].float().add_(lo[rows]).mul_(inv_t)
 
 
-# Elements per slab: the chunk kernels take a few rows of a chunk's products at a time (64 at
-# SmolLM2's vocabulary, 20 at Qwen3's), so the ~20 passes each makes over its [rows, V] blocks touch
+# Elements per slab, on a CPU: the chunk kernels take a few rows of a chunk's products at a time (64
+# at SmolLM2's vocabulary, 20 at Qwen3's), so the ~20 passes each makes over its [rows, V] blocks touch
 # 12 MB blocks instead of a 256-row chunk's 50 MB ones; the products still take the whole chunk, which
 # is what amortizes reading the [V, H] head. The loss's forward and backward over 1024 rows of
 # SmolLM2's head, with the trainer's heap reuse, on a 2-core AMX CPU: bf16 products 0.55-0.57 s
 # against 0.69-0.73 s in one slab per chunk, float32 0.91-0.96 against 0.98-1.01 (development readings,
-# docs/benchmarks.md, "The loss in slabs").
+# docs/benchmarks.md, "The loss in slabs"). A GPU takes one slab per chunk: it streams the blocks
+# fast, and slabs would multiply its kernel launches (13 slabs a chunk at Qwen3's vocabulary).
 SLAB_ELEMENTS = 3 << 20
 
 
@@ -404,7 +405,7 @@ def _chunk_loss(
     student's products ``zs``, whose logits each slab has spent by then (on the bf16 path rounded to
     bf16, the dtype of the gradient's product), so the gradient takes no block of its own.
     """
-    slab = max(1, SLAB_ELEMENTS // zs.shape[1])
+    slab = max(1, SLAB_ELEMENTS // zs.shape[1]) if zs.device.type == "cpu" else zs.shape[0]
     total = zs.new_zeros((), dtype=w.dtype)
     stats = LossStats()
     for r in range(0, zs.shape[0], slab):
