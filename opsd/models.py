@@ -204,7 +204,6 @@ def load_model(
     return model.to(device)
 
 
-# RMSNorm classes whose forward is ``weight * x * rsqrt(mean(x^2) + eps)`` computed in float32.
 def head_size(config) -> int:
     """An attention head's width: the config's ``head_dim`` where it sets one, else hidden size / heads."""
     explicit = getattr(config, "head_dim", None)

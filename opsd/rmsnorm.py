@@ -2,10 +2,10 @@
 
 transformers' Llama-style RMSNorm is six tensor operations (a float32 copy, the mean square, rsqrt,
 the scale, a cast back, the weight), and autograd takes their backward one operation at a time:
-about a dozen passes over a ``[tokens, hidden]`` block, each a separate call. On a CPU these calls
-are short memory-bound loops whose count, not their arithmetic, sets the time. :class:`RMSNorm`
-computes the same forward (bit for bit) and the backward in four passes, and keeps the input (bf16
-in a bf16 model) for the backward instead of its float32 copy.
+about a dozen calls over ``[tokens, hidden]`` blocks, each making its own intermediate. On a CPU these
+are short memory-bound loops whose count and traffic, not their arithmetic, set the time.
+:class:`RMSNorm` computes the same forward (bit for bit) and the backward from its closed form in
+seven calls, and keeps the input (bf16 in a bf16 model) for the backward instead of its float32 copy.
 """
 
 from __future__ import annotations
@@ -55,12 +55,13 @@ def lean_rms_norms(*models: nn.Module | None) -> int:
     """Every plain RMSNorm (:data:`PLAIN_RMSNORMS`) of ``models`` runs :class:`RMSNorm` for its
     forward. Returns how many modules changed.
 
-    Why: a bf16 SmolLM2-135M norm over 2,200 tokens took 4.7-4.9 ms forward and backward against
-    7.1-7.6 ms for transformers' operations on a 2-core AMX CPU, and the trainer's loop over one step's
-    micro-batches (teacher, student, loss) ran ~3-5% faster (development readings, docs/benchmarks.md,
-    "The loss in slabs; RMSNorm in one node"). Inputs other than bfloat16, float16 and float32 (the
-    float64 reference runs) and a weight of another dtype run transformers' own forward. A per-instance
-    ``forward``: state dicts, hooks and checkpoints are unchanged.
+    Why: a SmolLM2-135M norm over 2,200 tokens took 4.6-4.9 ms forward and backward in bf16 against
+    7.1-7.6 ms for transformers' operations, 3.1 against 5.9-6.5 ms in float32, on a 2-core AMX CPU;
+    with the loss's slabs the trainer's bf16 loop over one step's micro-batches (teacher, student,
+    loss) ran ~3-5% faster, each change alone within the loop's spread (development readings,
+    docs/benchmarks.md, "The loss in slabs; RMSNorm in one node"). Inputs other than bfloat16,
+    float16 and float32 (the float64 reference runs) and a weight of another dtype run transformers'
+    own forward. A per-instance ``forward``: state dicts, hooks and checkpoints are unchanged.
     """
     changed = 0
     for model in models:

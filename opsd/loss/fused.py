@@ -406,6 +406,7 @@ def _chunk_loss(
     bf16, the dtype of the gradient's product), so the gradient takes no block of its own.
     """
     slab = max(1, SLAB_ELEMENTS // zs.shape[1]) if zs.device.type == "cpu" else zs.shape[0]
+    kernel = KERNELS[spec.mode]
     total = zs.new_zeros((), dtype=w.dtype)
     stats = LossStats()
     for r in range(0, zs.shape[0], slab):
@@ -414,7 +415,6 @@ def _chunk_loss(
         b = _slab(zt, lo_t, rows, inv_t)
         y_r = y[rows] if y is not None else None
         lp_r = lp[rows] if lp is not None else None
-        kernel = KERNELS[spec.mode]
         loss, grad, st = kernel(a, b, y_r, w[rows], spec, need_grad=need_grad, with_stats=with_stats, lp=lp_r)
         total += loss
         stats.add(st)
