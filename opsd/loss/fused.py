@@ -398,17 +398,19 @@ def _chunk_loss(
     *,
     need_grad: bool,
     with_stats: bool,
-) -> tuple[Tensor, LossStats]:
+) -> tuple[Tensor, LossStats, Tensor]:
     """The mode's kernel over one chunk's products (:func:`_head_products`), a slab of rows at a time.
 
-    Returns the chunk's ``sum_n w_n L_n`` and stats. With ``need_grad`` it writes ``dL/dz`` over the
-    student's products ``zs``, whose logits each slab has spent by then (on the bf16 path rounded to
-    bf16, the dtype of the gradient's product), so the gradient takes no block of its own.
+    Returns the chunk's ``sum_n w_n L_n``, its stats and ``dL/dz`` (with ``need_grad``; else ``zs``).
+    Several slabs write their gradients over the student's products ``zs``, whose logits each slab has
+    spent by then (on the bf16 path rounded to bf16, the dtype of the gradient's product), so the
+    gradient takes no block of its own; a single slab in the compute dtype hands over its own block.
     """
     slab = max(1, SLAB_ELEMENTS // zs.shape[1]) if zs.device.type == "cpu" else zs.shape[0]
     kernel = KERNELS[spec.mode]
     total = zs.new_zeros((), dtype=w.dtype)
     stats = LossStats()
+    gz = zs
     for r in range(0, zs.shape[0], slab):
         rows = slice(r, r + slab)
         a = _slab(zs, lo_s, rows, inv_t)
@@ -418,9 +420,13 @@ def _chunk_loss(
         loss, grad, st = kernel(a, b, y_r, w[rows], spec, need_grad=need_grad, with_stats=with_stats, lp=lp_r)
         total += loss
         stats.add(st)
-        if grad is not None:
+        if grad is None:
+            continue
+        if grad.shape == zs.shape and grad.dtype == zs.dtype:
+            gz = grad  # one slab (a GPU's, or a short chunk): no copy
+        else:
             zs[rows].copy_(grad)
-    return total, stats
+    return total, stats, gz
 
 
 @kernel_precision
@@ -508,15 +514,14 @@ def fused_linear_distill(
         y = targets.index_select(0, idx) if targets is not None else None
         lp = zs.new_empty(c, dtype=dtype) if target_logprobs is not None else None
         kw = dict(need_grad=need_grad, with_stats=with_stats)
-        loss, st = _chunk_loss(zs, lo_s, zt, lo_t, y, w, lp, spec, inv_t, **kw)
-        del zt, lo_s, lo_t
+        loss, st, gz = _chunk_loss(zs, lo_s, zt, lo_t, y, w, lp, spec, inv_t, **kw)
+        del zs, zt, lo_s, lo_t
         if lp is not None:
             target_logprobs.index_copy_(0, idx, lp.to(target_logprobs.dtype))
         total += loss
         stats.add(st)
         if not need_grad:
             continue
-        gz = zs  # dL/dz, written over the student's products by _chunk_loss
         if grad_h is not None:
             grad_h.index_copy_(0, idx, (gz @ ws).to(dtype))
         if grad_w is None:
@@ -526,7 +531,7 @@ def fused_linear_distill(
         else:
             grad_w += gz.t() @ hs
     stats.materialize()  # the chunks' statistics, read back once
-    if not (need_grad_h or need_grad_w):
+    if not need_grad:
         return total, stats
     out = _PrecomputedGrad.apply(
         total,
