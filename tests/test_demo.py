@@ -254,7 +254,8 @@ def test_cli_prints_the_table(monkeypatch, capsys, tmp_path):
 # A shortened demo, end to end, against its control
 
 # 200 OPSD steps: held-out accuracy first dips (the optimizer restart, docs/demo.md), so a shorter run
-# may end below where it started. Seed 0 reads 2.5% -> 20.0% (teacher 99.0%) on the pinned torch.
+# may end below where it started. Seed 0 reads 2.5% -> 20.0% (teacher 99.0%) on the pinned torch on the
+# machine it was written on, 58.0% -> 97.5% (teacher 100%) on an AMD EPYC (AVX512-BF16).
 SHORT = dict(sft_steps=250, opsd_steps=200, eval_every=200, n_heldout=200, n_sft=2000, n_train=2000)
 
 
@@ -276,7 +277,12 @@ def test_short_demo_gains_and_its_control_does_not(tmp_path):
     )
 
     assert r["teacher_with_solution"] >= 0.9  # the base model can use the worked solution
-    assert r["student_before"] <= 0.5  # and is an imperfect student without it
+    # and is an imperfect student without it. How imperfect is not portable: 250 SFT steps amplify
+    # the last bit of float32 rounding, which differs between CPUs' vector paths (seed 0's base read
+    # 2.5% on one machine, 58% on an AMD EPYC with AVX512 and 33% on the same EPYC forced to AVX2; in
+    # float64 36.5% and 22%). So ask only for what this test needs of it: room, 30 points under the
+    # teacher, for the 15-point gain asserted below.
+    assert r["student_before"] <= r["teacher_with_solution"] - 0.3
     assert c["student_before"] == r["student_before"]  # same base model, same held-out set
     summary = {k: r[k] for k in ("student_before", "student_after", "teacher_with_solution", "seconds")}
     assert r["student_after"] - r["student_before"] >= 0.15, summary
