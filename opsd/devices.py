@@ -141,7 +141,8 @@ def bucket_widths(device: torch.device, compute_dtype: torch.dtype | None) -> bo
     2.1 GiB after the lengths 100-1300 (``bench/sdpa_lengths.py``), and a run's micro-batches and
     prompts grew its resident set ~0.1 GiB a step (docs/benchmarks.md, "Attention kernels kept per
     length"). Sixteen widths per doubling of the length bound it. float32 keeps no such cache; GPU
-    kernels neither."""
+    kernels neither; nor bf16 on an AMD EPYC with AVX512-BF16 and no AMX (0.02 MiB a length), where
+    the buckets cost only their padding."""
     import torch
 
     half = compute_dtype in (torch.bfloat16, torch.float16)
