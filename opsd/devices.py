@@ -149,6 +149,29 @@ def bucket_widths(device: torch.device, compute_dtype: torch.dtype | None) -> bo
     return device.type == "cpu" and half
 
 
+PER_ROW_TOKENS = 128  # the shortest row that runs a forward of its own on a CPU ...
+PER_ROW_FLOPS = 1 << 29  # ... and the least work that forward must do (2 x non-embedding params x tokens)
+
+
+def per_row_from(device: torch.device, sharded: bool, params: int) -> int | None:
+    """The shortest row, in tokens, that runs a forward of its own in a micro-batch of unequal rows
+    (:func:`opsd.data.batching.make_microbatches`): on a CPU in one process, the larger of 128 tokens
+    and ``PER_ROW_FLOPS / (2 * params)`` (``params``: the model's non-embedding parameters); ``None``
+    (always batched) on a GPU, which needs the batch to fill it, and under torchrun, where a forward
+    per row would gather every layer once per row.
+
+    Why: a forward per row computes no padding and needs no attention mask, which keeps attention
+    from skipping the causal triangle (SmolLM2-135M in float32: the step's micro-batch loop 8% faster,
+    docs/benchmarks.md "One forward per row on a CPU"), but each row pays a forward's fixed cost, one
+    read of the weights and the dispatch of every operator: 37 ms for a one-token SmolLM2 forward (30
+    layers; ~30 tokens of its compute), 0.5 ms for the demo's 2-layer model (~90 tokens of its own).
+    Rows of 128 tokens and 2**29 FLOPs keep that a small part of a row's forward; the demo's and the
+    tests' tiny models stay batched (their short rows ran 35% slower one at a time)."""
+    if device.type != "cpu" or sharded:
+        return None
+    return max(PER_ROW_TOKENS, -(-PER_ROW_FLOPS // max(1, 2 * params)))
+
+
 def available_ram(meminfo: str = "/proc/meminfo") -> int | None:
     """Bytes of RAM the kernel could give this process now without swapping (``MemAvailable``), or
     None where that is not known (not Linux, or a kernel older than 3.14)."""

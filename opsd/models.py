@@ -39,6 +39,7 @@ __all__ = [
     "enable_gradient_checkpointing",
     "frozen_weights_for_cpu",
     "final_hidden",
+    "non_embedding_params",
     "head_weight",
     "load_model",
     "lean_lora_forward",
@@ -449,16 +450,49 @@ def check_plain_head(model: nn.Module) -> None:
         )
 
 
+def non_embedding_params(model: nn.Module) -> int:
+    """Parameters a token's forward multiplies by (its products do ~2 FLOPs per parameter): all but
+    the input embedding and the lm_head, counted once each (tied weights, LoRA's adapters included)."""
+    base = base_model(model)
+    embeddings = (base.get_input_embeddings(), base.get_output_embeddings())
+    skip = {id(m.weight) for m in embeddings if m is not None}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
 def head_weight(model: nn.Module) -> Tensor:
     """The lm_head weight ``[V, H]`` the fused loss multiplies hidden states by."""
     return base_model(model).get_output_embeddings().weight
 
 
-def final_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
-    """Final (post-norm) hidden states at ``positions``: ``[R, H]``; the model never makes logits."""
-    out = base_model(model).get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    hidden = out.last_hidden_state
-    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions.to(hidden.device))
+def final_hidden(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    positions: Tensor,
+    rows: list[int] | None = None,
+) -> Tensor:
+    """Final (post-norm) hidden states at ``positions``: ``[R, H]``; the model never makes logits.
+
+    ``rows`` (:class:`opsd.data.batching.MicroBatch`'s ``*_rows``): each right-padded row runs a forward
+    of its own over its first ``rows[b]`` positions, without an attention mask: padding after a row's
+    tokens is invisible to causal attention, so the rows' hidden states are the batched forward's
+    (up to the products' rounding), without the padding's work or a mask that keeps attention from
+    skipping the causal triangle."""
+    decoder = base_model(model).get_decoder()
+    positions = positions.to(input_ids.device)
+    if rows is None:
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = out.last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+    width = input_ids.shape[1]
+    counts = torch.bincount(positions // width, minlength=len(rows)).tolist()
+    parts = []
+    for b, (w, pos) in enumerate(zip(rows, positions.split(counts), strict=True)):
+        if pos.numel() == 0:  # nothing of this row is read
+            continue
+        hidden = decoder(input_ids=input_ids[b : b + 1, :w], use_cache=False).last_hidden_state[0]
+        parts.append(hidden.index_select(0, pos - b * width))
+    return torch.cat(parts)
 
 
 # --- merged weights ---------------------------------------------------------------------------

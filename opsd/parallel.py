@@ -163,19 +163,27 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def forward_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> Tensor:
+def forward_hidden(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    positions: Tensor,
+    rows: list[int] | None = None,
+) -> Tensor:
     """Final hidden states ``[R, H]`` at ``positions``: ``final_hidden``, through FSDP's root hooks when
-    sharded.
+    sharded (one batched forward there: a forward per row would gather every layer once per row).
 
     Use it for every forward of a model that may be sharded (student, adapter-disabled teacher,
     frozen copy); calling the decoder directly would skip the root's all-gather.
     """
     method = getattr(model, _HIDDEN_METHOD, None) if is_sharded(model) else None
     if method is not None:
+        if rows is not None:
+            raise ValueError("a sharded model runs its rows in one batched forward: pass rows=None")
         return method(input_ids, attention_mask, positions)
     from opsd.models import final_hidden
 
-    return final_hidden(model, input_ids, attention_mask, positions)
+    return final_hidden(model, input_ids, attention_mask, positions, rows)
 
 
 def full_head_weight(model: nn.Module) -> Tensor:

@@ -123,10 +123,13 @@ class Teacher:
             yield self.student
 
     @torch.no_grad()
-    def score(self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Teacher hidden states at the response positions ``[R, H]`` and its lm_head weight."""
+    def score(
+        self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, rows: list[int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Teacher hidden states at the response positions ``[R, H]`` and its lm_head weight
+        (``rows``: a forward per row, :func:`opsd.models.final_hidden`)."""
         with self._as_teacher(input_ids.device) as model:
-            hidden = forward_hidden(model, input_ids, attention_mask, positions)
+            hidden = forward_hidden(model, input_ids, attention_mask, positions, rows)
             # Taken inside the context: the EMA swap or CPU offload is undone on exit, but this tensor
             # keeps pointing at the teacher's weights (no copy needed), except for a sharded EMA
             # teacher, whose gathered head is freed on exit.

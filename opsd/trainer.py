@@ -23,7 +23,7 @@ from opsd import checkpoint, distributed, metrics, models, parallel, precision
 from opsd.config import Config, resolve_engine
 from opsd.data import DataCursor, PromptBuilder, load_examples, make_microbatches, make_sample
 from opsd.data.batching import MicroBatch, pad_microbatches
-from opsd.devices import bucket_widths, release_freed_memory, resolve_device, reuse_freed_memory
+from opsd.devices import bucket_widths, per_row_from, release_freed_memory, resolve_device, reuse_freed_memory
 from opsd.distributed import all_reduce_sum
 from opsd.engines import make_engine
 from opsd.errors import TrainingError, UserError
@@ -65,9 +65,13 @@ def forward_backward(
             t_hidden, t_head = None, None
             if teacher is not None:
                 with timer("teacher"), autocast():
-                    t_hidden, t_head = teacher.score(mb.teacher_ids, mb.teacher_mask, mb.teacher_pos)
+                    t_hidden, t_head = teacher.score(
+                        mb.teacher_ids, mb.teacher_mask, mb.teacher_pos, mb.teacher_rows
+                    )
             with timer("student"), autocast():
-                s_hidden = forward_hidden(model, mb.student_ids, mb.student_mask, mb.student_pos)
+                s_hidden = forward_hidden(
+                    model, mb.student_ids, mb.student_mask, mb.student_pos, mb.student_rows
+                )
             with timer("loss"):
                 loss, st = loss_fn(s_hidden, t_hidden, t_head, mb, scores)
             if backward:
@@ -234,6 +238,8 @@ class Trainer:
         # ~1.3 s of a 12.7 s bf16 step (docs/benchmarks.md, "Heap trims beside vLLM"); there glibc is
         # also kept from trimming the heap by itself after the loop (forward_backward's keep_pages).
         self.trim_heap = not beside_vllm
+        sharded = self.dist.mesh is not None
+        self.per_row_from = per_row_from(self.device, sharded, models.non_embedding_params(self.model))
         self.step_num = 0
         self.bad_steps = 0
         self.stop = GracefulStop()
@@ -478,6 +484,7 @@ class Trainer:
             global_seqs=seqs,
             device=self.device,
             bucket=bucket_widths(self.device, self.precision.compute),
+            per_row_from=self.per_row_from,
         )
         return pad_microbatches(batches, self.pad_id, self.device)
 

@@ -317,6 +317,17 @@ def test_widths_bucketed_only_for_half_precision_on_a_cpu():
     assert not bucket_widths(torch.device("cuda"), torch.bfloat16)
 
 
+def test_rows_run_one_at_a_time_only_in_one_process_on_a_cpu():
+    """A GPU keeps its batches (it needs them to fill it), torchrun too (a forward per row would gather
+    every layer per row); on a CPU rows of 128 tokens and 2**29 FLOPs run a forward each."""
+    from opsd.devices import per_row_from
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert per_row_from(cpu, False, 106_203_456) == 128  # SmolLM2-135M
+    assert per_row_from(cpu, False, 295_552) == 909  # the demo's model: 2**29 / (2 * params)
+    assert per_row_from(cuda, False, 106_203_456) is None and per_row_from(cpu, True, 106_203_456) is None
+
+
 @pytest.mark.parametrize("keep_pages", [False, True])
 def test_reuse_freed_memory_restores_the_trim_threshold_unless_keeping_pages(keep_pages, monkeypatch):
     """What the context asks of glibc: inside, no mapping and (almost) no trimming; after it, mapping and

@@ -370,6 +370,52 @@ def test_final_hidden_and_head_weight_make_the_logits(tiny_model, tiny_tokenizer
         torch.testing.assert_close(logits, model(ids).logits[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bucket", [False, True])
+def test_final_hidden_one_row_at_a_time_is_the_batched_forward(tiny_tokenizer, bucket):
+    """A forward per row (a CPU's micro-batches) without an attention mask gives the padded batch's
+    hidden states and gradients. Float64, so the only difference is the products' summation order
+    (rows of another height): within 1e-12 relative. With ``bucket`` a row keeps padding after its
+    tokens, which causal attention cannot see; a row read at another offset fails it."""
+    from opsd.data.batching import make_microbatches, make_sample
+
+    model = _lora(build_tiny_model(tiny_tokenizer, seed=0), target_modules=["q_proj", "v_proj", "down_proj"])
+    models.float64_throughout(model.to(torch.float64))
+    _randomize_lora_b(model)
+    gen = torch.Generator().manual_seed(3)
+    lengths = [(5, 9, 3), (17, 29, 6), (11, 11, 1), (27, 41, 8)]  # (student prompt, teacher prompt, response)
+    samples = []
+    for i, (s_len, t_len, r_len) in enumerate(lengths):
+        s_ids, t_ids, resp = (
+            torch.randint(5, 200, (n,), generator=gen).tolist() for n in (s_len, t_len, r_len)
+        )
+        samples.append(make_sample(s_ids, t_ids, resp, i, "stop"))
+    kw = dict(
+        max_tokens=10_000, pad_id=0, reduction="token", global_tokens=18.0, global_seqs=4.0, device="cpu"
+    )
+    (mb,) = make_microbatches(samples, bucket=bucket, per_row_from=1, **kw)
+    assert min(mb.teacher_rows) < mb.teacher_ids.shape[1] and len(set(mb.teacher_rows)) > 1
+    real = [len(x.teacher_ids) for x in samples] + [len(x.student_ids) for x in samples]
+    assert (mb.teacher_rows + mb.student_rows != real) == bucket  # bucket: padding after some row's tokens
+    lora_params = [p for p in model.parameters() if p.requires_grad]
+    got = {}
+    for how, side in (
+        ("batched", "student"),
+        ("rows", "student"),
+        ("batched", "teacher"),
+        ("rows", "teacher"),
+    ):
+        ids, mask, pos = (getattr(mb, f"{side}_{k}") for k in ("ids", "mask", "pos"))
+        rows = getattr(mb, f"{side}_rows") if how == "rows" else None
+        hidden = final_hidden(model, ids, mask, pos, rows)
+        loss = (hidden * torch.linspace(-1, 1, hidden.numel(), dtype=hidden.dtype).view_as(hidden)).sum()
+        grads = torch.autograd.grad(loss, lora_params)
+        got[how, side] = (hidden.detach(), torch.cat([g.flatten() for g in grads]))
+    for side in ("student", "teacher"):
+        for a, b in zip(got["batched", side], got["rows", side]):
+            torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12 * float(a.abs().max()))
+    assert got["rows", "student"][0].shape == (18, model.config.hidden_size)
+
+
 def test_check_plain_head(tiny_tokenizer):
     check_plain_head(build_tiny_model(tiny_tokenizer))
     capped = build_tiny_model(tiny_tokenizer)

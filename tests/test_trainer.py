@@ -443,6 +443,36 @@ def test_forward_backward_is_the_step_loop_and_can_run_without_gradients(assets,
     assert float(loss_eval) == float(loss_train) and st_eval.means() == st_train.means()
 
 
+def test_cpu_trainer_runs_a_forward_per_row(assets, tmp_path):
+    """In one process on a CPU the trainer's micro-batches of unequal rows run a forward per row once
+    the rows are long enough for the model (:func:`opsd.devices.per_row_from`; the tiny model's rows
+    are not, so it is lowered here), computing no padding in float32, with the batched forward's loss:
+    hidden states that differ by the products' summation order (a few u32 = 6e-8 relative) move each
+    token's divergence, a difference of ~6-nat log-probabilities, by ~u32 * 6 * a few nats; the mean
+    over tokens by no more."""
+    from opsd.data.batching import make_sample
+    from opsd.devices import per_row_from
+    from opsd.models import non_embedding_params
+
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.min_real_token_frac": 0}))
+    assert tr.per_row_from == per_row_from(torch.device("cpu"), False, non_embedding_params(tr.model)) > 1000
+    lengths = (3, 11, 6)
+    samples = [make_sample([5 + n] * n, [9] * (n + 4), [7, 8, 7], i, "stop") for i, n in enumerate(lengths)]
+    (batched,) = tr.microbatches(samples)
+    assert batched.student_rows is None and batched.teacher_rows is None  # the tiny model's short rows
+    tr.per_row_from = 6
+    (mb,) = tr.microbatches(samples)
+    assert mb.student_rows == [6, 14, 9] and mb.teacher_rows == [10, 18, 13]
+    assert mb.student_padded_tokens == mb.student_real_tokens < mb.student_ids.numel()
+    assert mb.teacher_padded_tokens == mb.teacher_real_tokens < mb.teacher_ids.numel()
+    rows, _ = tr.forward_backward([mb], backward=False)
+    batched_loss, _ = tr.forward_backward([batched], backward=False)
+    assert float(rows) == pytest.approx(float(batched_loss), abs=1e-6)
+    tr.per_row_from = 7  # the shortest student row (6 tokens) is too short; the teacher's are not
+    (mb,) = tr.microbatches(samples)
+    assert mb.student_rows is None and mb.teacher_rows == [10, 18, 13]
+
+
 def test_logprob_check_reuses_the_loss_logits_when_the_temperatures_agree(assets, tmp_path, monkeypatch):
     """With loss and sampling at one temperature the trainer's log S(y) comes from the fused loss's own
     student logits (no second head product); at another loss temperature it takes its own product."""

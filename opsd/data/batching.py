@@ -153,8 +153,10 @@ class MicroBatch:
 
     ``*_pos`` index the flattened ``[B * width]`` hidden states; row ``i``'s response tokens come
     first-to-last, rows in order, matching ``targets`` and ``weights`` (``R`` = sum of response_lens).
-    ``*_padded_tokens`` is rows x width (every position computed); real / padded is the fraction of
-    the forward's work spent on real tokens.
+    ``*_padded_tokens`` is every position computed: rows x width, or with ``*_rows`` their sum; real /
+    padded is the fraction of the forward's work spent on real tokens. ``*_rows`` (a CPU, one process:
+    :func:`make_microbatches`' ``per_row_from``) is each row's width for a forward of its own: its
+    length, or its :func:`bucket_width`; ``None``: one forward over the padded rows.
     """
 
     student_ids: Tensor  # [B, Ls] long, right-padded
@@ -172,6 +174,8 @@ class MicroBatch:
     student_padded_tokens: int
     teacher_real_tokens: int
     teacher_padded_tokens: int
+    student_rows: list[int] | None = None
+    teacher_rows: list[int] | None = None
 
 
 def make_microbatches(
@@ -185,13 +189,18 @@ def make_microbatches(
     device: torch.device | str,
     min_real_frac: float = 0.0,
     bucket: bool = False,
+    per_row_from: int | None = None,
 ) -> list[MicroBatch]:
     """Pack samples under ``max_tokens`` padded tokens and build each group's tensors.
 
     Groups come from :func:`pack_microbatches` on max(student, teacher) length (``min_real_frac``: the
     least real-token fraction of a group with more than one sample), in its order; with ``bucket``
     (:func:`opsd.devices.bucket_widths`) the lengths are rounded up to :func:`bucket_width` first, as
-    the padded widths are, so the budget bounds what is computed. The
+    the padded widths are, so the budget bounds what is computed. ``per_row_from`` (a CPU:
+    :func:`opsd.devices.per_row_from`): where a side's rows differ in width and the shortest has at
+    least this many tokens, each row runs a forward of its own, unpadded (or padded to its own bucket
+    width): on a CPU such a row's products are as fast as a batch's, and the padding and the attention
+    mask a batch of unequal rows costs are gone (docs/benchmarks.md, "One forward per row on a CPU"). The
     weights make the sum over all ranks' micro-batches the global loss: ``token`` reduction gives every
     response token 1 / global_tokens, ``sequence`` gives a length-n response's tokens 1 / (n * global_seqs)
     (each sequence's mean, averaged over sequences).
@@ -204,7 +213,7 @@ def make_microbatches(
     groups = pack_microbatches(lengths, max_tokens, min_real_frac)
     dev = torch.device(device)
     return [
-        _microbatch(samples, group, pad_id, reduction, global_tokens, global_seqs, dev, bucket)
+        _microbatch(samples, group, pad_id, reduction, global_tokens, global_seqs, dev, bucket, per_row_from)
         for group in groups
     ]
 
@@ -218,6 +227,7 @@ def _microbatch(
     global_seqs: float,
     device: torch.device,
     bucket: bool,
+    per_row_from: int | None,
 ) -> MicroBatch:
     mb = [samples[i] for i in group]
     resp = [s.response_len for s in mb]
@@ -236,6 +246,8 @@ def _microbatch(
     t_ids, t_mask = pad_right([s.teacher_ids for s in mb], pad_id, device, bucket)
     s_pos = response_positions([len(s.student_ids) for s in mb], resp, s_ids.shape[1]).to(device)
     t_pos = response_positions([len(s.teacher_ids) for s in mb], resp, t_ids.shape[1]).to(device)
+    s_rows = row_widths([len(s.student_ids) for s in mb], bucket, per_row_from)
+    t_rows = row_widths([len(s.teacher_ids) for s in mb], bucket, per_row_from)
     return MicroBatch(
         student_ids=s_ids,
         student_mask=s_mask,
@@ -251,10 +263,23 @@ def _microbatch(
         response_lens=resp,
         sample_indices=list(group),
         student_real_tokens=sum(len(s.student_ids) for s in mb),
-        student_padded_tokens=s_ids.numel(),
+        student_padded_tokens=sum(s_rows) if s_rows else s_ids.numel(),
         teacher_real_tokens=sum(len(s.teacher_ids) for s in mb),
-        teacher_padded_tokens=t_ids.numel(),
+        teacher_padded_tokens=sum(t_rows) if t_rows else t_ids.numel(),
+        student_rows=s_rows,
+        teacher_rows=t_rows,
     )
+
+
+def row_widths(lengths: list[int], bucket: bool, per_row_from: int | None) -> list[int] | None:
+    """Each row's width in a forward of its own: its length, or its :func:`bucket_width` (never wider
+    than :func:`pad_right`'s width for the group, the bucket of the longest). ``None`` (one batched
+    forward) when ``per_row_from`` is None, the rows are equally wide (nothing to save) or the
+    shortest is under ``per_row_from`` tokens."""
+    widths = [bucket_width(n) if bucket else n for n in lengths]
+    if per_row_from is None or len(set(widths)) == 1 or min(widths) < per_row_from:
+        return None
+    return widths
 
 
 def zero_weight_microbatch(pad_id: int, device: torch.device | str) -> MicroBatch:
