@@ -9,8 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 # Before torch starts OpenMP: on a busy 2-core CI box, spin-waiting threads (the default) make
-# small forwards several times slower, and the tests spawn worker processes of their own.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# small forwards several times slower, and the tests spawn worker processes of their own. What
+# `opsd` itself sets (opsd.devices.openmp_waiting): passive, after ~0.1 ms of spinning.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ.update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="10000")
 
 import pytest
 import torch.distributed as dist
