@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+# OpenMP's waiting is set below, before torch is imported:
+# ruff: noqa: E402
+from opsd.devices import openmp_waiting  # imports no torch
+
 # Before torch starts OpenMP: on a busy 2-core CI box, spin-waiting threads (the default) make
-# small forwards several times slower, and the tests spawn worker processes of their own. What
-# `opsd` itself sets (opsd.devices.openmp_waiting): passive, after ~0.1 ms of spinning.
-if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-    os.environ.update(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT="10000")
+# small forwards several times slower, and the tests spawn worker processes of their own. The
+# tests wait as `opsd` itself does: passive, after ~0.1 ms of spinning.
+openmp_waiting(os.environ)
 
 import pytest
 import torch.distributed as dist
