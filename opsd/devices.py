@@ -161,12 +161,13 @@ def per_row_from(device: torch.device, sharded: bool, params: int) -> int | None
     per row would gather every layer once per row.
 
     Why: a forward per row computes no padding and needs no attention mask, which keeps attention
-    from skipping the causal triangle (SmolLM2-135M in float32: the step's micro-batch loop 8% faster,
-    docs/benchmarks.md "One forward per row on a CPU"), but each row pays a forward's fixed cost, one
-    read of the weights and the dispatch of every operator: 37 ms for a one-token SmolLM2 forward (30
-    layers; ~30 tokens of its compute), 0.5 ms for the demo's 2-layer model (~90 tokens of its own).
-    Rows of 128 tokens and 2**29 FLOPs keep that a small part of a row's forward; the demo's and the
-    tests' tiny models stay batched (their short rows ran 35% slower one at a time)."""
+    from skipping the causal triangle (SmolLM2-135M in float32: the step's micro-batch loop 8% faster
+    in a development reading, docs/benchmarks.md "One forward per row on a CPU"), but each row pays a
+    forward's fixed cost, one read of the weights and the dispatch of every operator: 37 ms for a
+    one-token SmolLM2 forward (30 layers; ~30 tokens of its compute), 0.5 ms for the demo's 2-layer
+    model (~90 tokens of its own). Rows of 128 tokens and 2**29 FLOPs keep that a small part of a
+    row's forward; the demo's and the tests' tiny models stay batched (their short rows ran 35%
+    slower one at a time)."""
     if device.type != "cpu" or sharded:
         return None
     return max(PER_ROW_TOKENS, -(-PER_ROW_FLOPS // max(1, 2 * params)))
