@@ -11,6 +11,7 @@ import os
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
 from functools import partial
+from types import MethodType
 
 import torch
 from torch import Tensor, nn
@@ -343,7 +344,10 @@ def lean_lora_forward(model: nn.Module) -> int:
     for mod in model.modules():
         if type(mod) is not Linear or not hasattr(mod, "_cast_input_dtype"):
             continue
-        mod.forward = partial(_lean_lora_forward, mod)
+        # A bound method, not a partial: torch.compile guards a partial's identity, so each layer's
+        # own partial would recompile the layers' shared code (model.compile), one layer at a time
+        # until dynamo's recompile limit sent the rest back to eager.
+        mod.forward = MethodType(_lean_lora_forward, mod)
         changed += 1
     return changed
 

@@ -72,6 +72,32 @@ def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
         assert abs(a - b) <= 1e-4 * abs(a) + floor, (key, a, b)
 
 
+@pytest.mark.skipif(not HAS_CXX, reason="inductor needs a C++ compiler on the CPU")
+def test_compiled_lora_layers_share_their_code():
+    """Every decoder layer runs the same code, and opsd's LoRA forward (models.lean_lora_forward) keeps
+    it so: dynamo compiles it for the first layer (whose input needs no gradient) and once more for
+    the others, whatever their number or the sequence length. A per-module forward that dynamo
+    guards by identity (a ``functools.partial``) recompiled it layer after layer until dynamo's
+    recompile limit sent the remaining layers back to eager."""
+    from torch._dynamo.utils import counters
+
+    from opsd.tiny import build_tiny_model, build_tiny_tokenizer
+
+    layers = torch._dynamo.config.recompile_limit + 2
+    model = build_tiny_model(build_tiny_tokenizer(), hidden_size=32, num_layers=layers)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = models.apply_lora(
+        model, r=4, alpha=8, dropout=0.0, target_modules=targets, gradient_checkpointing=False
+    )
+    assert models.compile_layers(lora) == layers
+    torch._dynamo.reset()
+    counters.clear()
+    for length in (7, 12):
+        ids = torch.randint(5, 100, (1, length), generator=torch.Generator().manual_seed(length))
+        lora(input_ids=ids, use_cache=False).logits.square().mean().backward()
+    assert counters["stats"]["unique_graphs"] == 2
+
+
 def test_a_model_without_a_layer_list_is_one_line():
     class Decoder(torch.nn.Module):
         pass
