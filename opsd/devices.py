@@ -167,7 +167,8 @@ def per_row_from(device: torch.device, sharded: bool, params: int) -> int | None
     one-token SmolLM2 forward (30 layers; ~30 tokens of its compute), 0.5 ms for the demo's 2-layer
     model (~90 tokens of its own). Rows of 128 tokens and 2**29 FLOPs keep that a small part of a
     row's forward; the demo's and the tests' tiny models stay batched (their short rows ran 35%
-    slower one at a time)."""
+    slower one at a time). The trainer runs such rows packed into one forward where the model's
+    attention allows (:func:`opsd.models.pack_rows`), which pays that cost once a micro-batch."""
     if device.type != "cpu" or sharded:
         return None
     return max(PER_ROW_TOKENS, -(-PER_ROW_FLOPS // max(1, 2 * params)))

@@ -240,6 +240,8 @@ class Trainer:
         self.trim_heap = not beside_vllm
         sharded = self.dist.mesh is not None
         self.per_row_from = per_row_from(self.device, sharded, models.non_embedding_params(self.model))
+        if self.per_row_from is not None and not cfg.model.compile:  # compiled layers keep a forward per row
+            models.pack_rows(self.model, self.teacher.model)
         self.step_num = 0
         self.bad_steps = 0
         self.stop = GracefulStop()

@@ -62,6 +62,7 @@ def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
     tr = Trainer(make_cfg(assets, tmp_path / "compiled", **{**over, "model.compile": "true"}))
     layers = models.base_model(tr.model).get_decoder().layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert models.base_model(tr.model).config._attn_implementation == "sdpa"  # rows stay a forward each
     norms = [m for m in tr.model.modules() if type(m).__name__ in PLAIN_RMSNORMS]
     assert norms and not any("forward" in m.__dict__ for m in norms)  # inductor fuses transformers' own
     compiled = tr.train()

@@ -370,17 +370,40 @@ def test_final_hidden_and_head_weight_make_the_logits(tiny_model, tiny_tokenizer
         torch.testing.assert_close(logits, model(ids).logits[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("bucket", [False, True])
-def test_final_hidden_one_row_at_a_time_is_the_batched_forward(tiny_tokenizer, bucket):
-    """A forward per row (a CPU's micro-batches) without an attention mask gives the padded batch's
-    hidden states and gradients. Float64, so the only difference is the products' summation order
-    (rows of another height): within 1e-12 relative. With ``bucket`` a row keeps padding after its
-    tokens, which causal attention cannot see; a row read at another offset fails it."""
+def test_final_hidden_one_row_at_a_time_is_the_batched_forward(tiny_tokenizer, bucket, packed, monkeypatch):
+    """Rows attending only to themselves (a CPU's micro-batches), a forward per row or ``packed`` into
+    one sequence (:func:`models.pack_rows`), without an attention mask, give the padded batch's hidden
+    states and gradients. Float64, so the only difference is the products' summation order (another
+    number of rows): within 1e-12 relative. With ``bucket`` a row keeps padding after its tokens,
+    which causal attention cannot see; a row read at another offset, or packed rows attending across
+    their bounds, fails it."""
     from opsd.data.batching import make_microbatches, make_sample
 
     model = _lora(build_tiny_model(tiny_tokenizer, seed=0), target_modules=["q_proj", "v_proj", "down_proj"])
     models.float64_throughout(model.to(torch.float64))
     _randomize_lora_b(model)
+    from transformers import AttentionInterface
+    from transformers.integrations import sdpa_attention
+
+    attention, packs = [], []  # each attention call's (query length, masked?); each packed forward
+    real_sdpa, real_packed = sdpa_attention.sdpa_attention_forward, models._packed_hidden
+
+    def spy_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+        attention.append((query.shape[2], attention_mask is not None))
+        return real_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+    def spy_packed(*args, **kwargs):
+        packs.append(1)
+        return real_packed(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy_sdpa)  # what the packed rows call
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", spy_sdpa)  # what "sdpa" models call
+    monkeypatch.setattr(models, "_packed_hidden", spy_packed)
+    if packed:
+        assert models.pack_rows(model) == 1
+        assert model.get_base_model().config._attn_implementation == models.PACKED_SDPA
     gen = torch.Generator().manual_seed(3)
     lengths = [(5, 9, 3), (17, 29, 6), (11, 11, 1), (27, 41, 8)]  # (student prompt, teacher prompt, response)
     samples = []
@@ -414,6 +437,18 @@ def test_final_hidden_one_row_at_a_time_is_the_batched_forward(tiny_tokenizer, b
         for a, b in zip(got["batched", side], got["rows", side]):
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12 * float(a.abs().max()))
     assert got["rows", "student"][0].shape == (18, model.config.hidden_size)
+    # Every row's attention ran unmasked over its own width (a packed sequence attending through its
+    # block mask would be one masked call over all rows), in one forward per side when packed.
+    layers = model.config.num_hidden_layers
+
+    def unmasked(rows: list[int]) -> list[tuple[int, bool]]:
+        if packed:  # layer by layer, each row in turn
+            return [(w, False) for w in rows] * layers
+        return [(w, False) for w in rows for _ in range(layers)]  # row by row, each layer in turn
+
+    assert [c for c in attention if not c[1]] == unmasked(mb.student_rows) + unmasked(mb.teacher_rows)
+    assert len(attention) == 2 * layers + len(mb.student_rows + mb.teacher_rows) * layers
+    assert len(packs) == 2 * packed
 
 
 def test_check_plain_head(tiny_tokenizer):

@@ -15,7 +15,7 @@ from helpers import build_assets, make_cfg
 
 import opsd.objectives as objectives_mod
 import opsd.trainer as trainer_mod
-from opsd import Trainer, load_config
+from opsd import Trainer, load_config, models
 from opsd.checkpoint import list_checkpoints
 from opsd.errors import UserError
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
@@ -456,6 +456,7 @@ def test_cpu_trainer_runs_a_forward_per_row(assets, tmp_path):
 
     tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.min_real_token_frac": 0}))
     assert tr.per_row_from == per_row_from(torch.device("cpu"), False, non_embedding_params(tr.model)) > 1000
+    assert models.base_model(tr.model).config._attn_implementation == models.PACKED_SDPA  # rows packed
     lengths = (3, 11, 6)
     samples = [make_sample([5 + n] * n, [9] * (n + 4), [7, 8, 7], i, "stop") for i, n in enumerate(lengths)]
     (batched,) = tr.microbatches(samples)
