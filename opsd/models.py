@@ -535,10 +535,10 @@ def pack_rows(*models: nn.Module | None) -> int:
     shapes, float32, 2-core EPYC: 150-175 GFLOP/s at 205 rows, 183-190 at 820) and each operator is
     dispatched once per micro-batch, not per row: the float32 micro-batch loop of a SmolLM2-135M step
     ran 5-9% faster (development readings, docs/benchmarks.md "Rows packed into one forward"). Its
-    cost: beside the colocated vLLM engine, whose loop never trims the heap, the heap grew ~0.7 GiB
-    more (the same peak in use, in larger blocks of more sizes). Nothing else changes: without
-    ``cu_seq_lens_q`` (generation, batched micro-batches) the attention is ``sdpa``'s, and a saved
-    config does not record the implementation."""
+    cost: beside the colocated vLLM engine, whose loop never trims the heap, peak RSS rose 0.35 GiB
+    (bf16) to 0.9 GiB (float32): the same peak in use, in larger blocks of more sizes. Nothing else
+    changes: without ``cu_seq_lens_q`` (generation, batched micro-batches) the attention is
+    ``sdpa``'s, and a saved config does not record the implementation."""
     try:
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
