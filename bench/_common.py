@@ -3,7 +3,7 @@
 A script's first import after the standard library is ``import _common`` (``bench/`` is the script's
 directory, so it is on ``sys.path``); importing it
 
-* sets OpenMP's waiting as ``opsd``'s command line does (:func:`opsd.devices.openmp_waiting`:
+* sets OpenMP's waiting as ``opsd``'s command line does (:func:`opsd.cpu.openmp.openmp_waiting`:
   ``OMP_WAIT_POLICY=PASSIVE``, the benchmark rule, with ``GOMP_SPINCOUNT=10000``) unless the caller
   chose otherwise, before anything imports torch, and child processes inherit it: on a shared,
   oversubscribed CPU, OpenMP's default spin-waiting made 2-thread forwards of SmolLM2-135M 5-7x
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # after the script's own folder
-from opsd.devices import openmp_waiting  # noqa: E402 (light: no torch)
+from opsd.cpu.openmp import openmp_waiting  # noqa: E402 (light: no torch)
 
 openmp_waiting(os.environ)
 _pythonpath = os.environ.get("PYTHONPATH", "")

@@ -1,4 +1,4 @@
-"""Write one benchmark's results into docs/benchmarks.md without touching the others' sections."""
+"""Write one benchmark's results into docs/results.md without touching the others' sections."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
-TITLE = "# Benchmarks"
+TITLE = "# Results"
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""`opsd demo --compare` over seeds 0, 1, 2 with the demo's default settings; writes docs/benchmarks.md.
+"""`opsd demo --compare` over seeds 0, 1, 2 with the demo's default settings; writes docs/results.md.
 
 OPSD, GRPO (8 samples per problem), SFT on the worked solutions, control A (teacher without the
 solution) and control B (teacher with another problem's solution), the same number of optimizer steps
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=COMPARE_STEPS, help="optimizer steps per method")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-compare", help="run directories")
     ap.add_argument("--cache", type=Path, default=None, help="base models (default: a fresh OUT/cache)")
-    ap.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--md", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()]

@@ -1,7 +1,7 @@
 """Baseline MATH-500 and GSM8K accuracy of SmolLM2-135M-Instruct, k=1 greedy, on a fixed prefix subset.
 
 Run: python bench/eval_baseline.py [--n 100] [--budget-min 11] [--datasets MATH-500,GSM8K] [--reuse]
-Writes the "## Eval baseline (bench/eval_baseline.py)" section of docs/benchmarks.md; per-item JSONL and
+Writes the "## Eval baseline (bench/eval_baseline.py)" section of docs/results.md; per-item JSONL and
 per-dataset results go to runs/bench-eval/. On a CPU machine the full sets are far too slow, so it
 times the first batch and evaluates the first N problems that fit the time budget (N is recorded).
 --reuse keeps a dataset's saved result when its settings match, so one dataset can be re-run alone.
@@ -116,7 +116,7 @@ def main() -> int:
         "--datasets", default="MATH-500,GSM8K", help="which to (re)run; the section lists all saved"
     )
     p.add_argument("--reuse", action="store_true", help="keep a saved result whose settings match")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
     args = p.parse_args()
 
     path = cached_model_path("smollm2-135m-instruct")

@@ -3,7 +3,7 @@
 Each (shape, N, implementation) runs in a fresh subprocess so that peak memory is its own:
 on CPU the peak resident set size above the RSS just after the inputs exist; on CUDA
 ``max_memory_allocated`` above the inputs. The student weight requires grad (full fine-tuning,
-the harder case), beta=0.5, T=1.0, fp32 inputs. Writes a table into docs/benchmarks.md.
+the harder case), beta=0.5, T=1.0, fp32 inputs. Writes a table into docs/results.md.
 
     python bench/loss.py                 # all shapes
     python bench/loss.py --quick         # SmolLM2 shape, N=256 and 1024 (the README's smoke run)
@@ -141,7 +141,7 @@ def main() -> None:
     )
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--ns", nargs="*", type=int, default=list(NS))
-    ap.add_argument("--out", default=str(_common.ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--out", default=str(_common.ROOT / "docs" / "results.md"))
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

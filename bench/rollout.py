@@ -1,7 +1,7 @@
 """HF rollout engine throughput vs a plain per-sample `model.generate` loop (SmolLM2-135M, CPU).
 
 Every sample is forced to exactly --new-tokens tokens (min_new_tokens), so tokens/s compares equal
-work. Results go to the "Rollout (bench/rollout.py)" section of docs/benchmarks.md.
+work. Results go to the "Rollout (bench/rollout.py)" section of docs/results.md.
 
     python bench/rollout.py                 # batch sizes 1, 8, 32; 128 new tokens
     python bench/rollout.py --quick         # smoke run: tiny settings, prints only
@@ -103,7 +103,7 @@ def main() -> int:
     ap.add_argument("--loop-samples", type=int, default=8, help="per-sample loop is timed on this many (max)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run; does not write docs")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

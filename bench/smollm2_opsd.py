@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-smollm2-opsd")
-    ap.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--md", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
     args = ap.parse_args()
 

@@ -3,7 +3,7 @@
 Not a unit test. Checks that resident memory after step 100 grows by less than 5% and that
 ``metrics.jsonl`` holds exactly one line per step although the run is stopped and resumed half way
 (the trainer drops lines an interrupted run wrote after its last checkpoint). Writes its section
-of docs/benchmarks.md.
+of docs/results.md.
 
     python bench/soak.py             # about 10-20 minutes on an idle 2-core CPU
     python bench/soak.py --steps 200 # a shorter check
@@ -35,7 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--every", type=int, default=50)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     load_before = _common.load_avg()

@@ -23,6 +23,8 @@ import _common
 import yaml
 from _md import write_section
 
+from opsd.distributed import torchrun_command
+
 ROOT = _common.ROOT
 BAD_MARKERS = ("Traceback", "terminate called", "SIGABRT", "Signal 6", "core dumped")
 
@@ -60,20 +62,7 @@ def write_assets(root: Path) -> Path:
 
 def one_run(config: Path, run_dir: Path) -> tuple[int, str]:
     """Exit status and combined output of one two-rank launch."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "opsd",
-        "train",
-        "--config",
-        str(config),
-        "--overwrite",
-    ]
+    cmd = torchrun_command(2, "-m", "opsd", "train", "--config", str(config), "--overwrite")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # _common put ROOT on PYTHONPATH
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     return res.returncode, res.stdout + res.stderr

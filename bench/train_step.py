@@ -1,11 +1,11 @@
 """One OPSD training step on SmolLM2-135M-Instruct on the CPU, broken down by phase.
 
-The setup (issue: the OPSD trainer, benchmark section): LoRA r=16 on all projections, fp32,
+The setup: LoRA r=16 on all projections, fp32,
 8 prompts per step from MATH train in file order (rows 0-7 warm up, rows 8-31 are the three
 measured steps), 1 rollout each of at most 128 new tokens, the solution as privileged
 information, the reference loss (forward KL, entry clip 0.05). Reports the per-step time split
 into rollout / teacher / student fwd+bwd / loss / optimizer, the time outside generation per
-completion token, and the peak RSS of the whole process. Writes docs/benchmarks.md. It first waits
+completion token, and the peak RSS of the whole process. Writes docs/results.md. It first waits
 (up to an hour) for the 1-minute load average to fall below 0.5 and records the load before and after.
 
     opsd fetch-model smollm2-135m-instruct
@@ -30,7 +30,7 @@ MATH = ROOT.parent / "shared" / "data" / "math_train.jsonl"
 
 
 def bench_config(data: Path, overrides: list[str]):
-    """The benchmark's run config (the issue's setting); exits with a line if the model or data is missing."""
+    """The benchmark's run config (the setup above); exits with a line if the model or data is missing."""
     from opsd.config import load_config
     from opsd.fetch import cached_model_path
 
@@ -102,7 +102,7 @@ def step_flops(model, student_tokens: int, teacher_tokens: int, completion_token
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=MATH)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument(
         "overrides", nargs="*", help="extra config overrides, e.g. model.gradient_checkpointing=true"
@@ -161,9 +161,7 @@ def main() -> None:
         f"product after the run: {rate_after:.0f} GFLOP/s (a rate that moved means the machine's share of "
         "its host moved during the run, which a load average inside a VM does not show).",
         f"- Peak RSS of the whole process (model load included): **{peak_rss:.2f} GiB** (target <= 2 GiB).",
-        "- For comparison (issue figures, TRL 1.16, same work, same machine type): SDFTTrainer 26.6-28.8 "
-        "ms/token and 7.6 GiB; DistillationTrainer 13.4-15.4 ms/token and 8.0 GiB; GKDTrainer 20-25 "
-        "ms/token and 10.6 GiB.",
+        "- TRL's `SDFTTrainer` on the same work, side by side with opsd: `bench/vs_trl.py`.",
     ]
     body = "\n".join(lines)
     print(body)

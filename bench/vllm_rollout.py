@@ -6,7 +6,7 @@ Runs in the vLLM environment (`bash scripts/vllm_cpu_env.sh`); both engines in f
 no bf16 matrix units), the same chat-formatted math prompts, every sample forced to exactly
 --new-tokens tokens (min tokens), sampling at temperature 1. The HF engine is timed first, then the
 vLLM engine (started once, enforce_eager, its KV cache sized for the largest batch). Results go to
-the "vLLM-CPU vs HF engine (bench/vllm_rollout.py)" section of docs/benchmarks.md. Run it alone:
+the "vLLM-CPU vs HF engine (bench/vllm_rollout.py)" section of docs/results.md. Run it alone:
 it waits for the 1-minute load average to fall below 0.5 and records the load before and after.
 
     .venv-vllm/bin/python bench/vllm_rollout.py                 # batch 8 and 32, 128 new tokens
@@ -38,7 +38,7 @@ def main() -> int:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="tiny smoke run; does not write docs")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results.md")
     args = ap.parse_args()
     if args.quick:
         args.batch_sizes, args.new_tokens = [2, 4], 8

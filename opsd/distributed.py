@@ -150,6 +150,21 @@ def exit_rank(code: int) -> NoReturn:
     os._exit(code)
 
 
+def torchrun_command(nproc: int, *args: str) -> list[str]:
+    """The argv that launches ``args`` on ``nproc`` local ranks with this interpreter's torchrun:
+    ``python -m torch.distributed.run --standalone --nproc-per-node N *args`` (a script and its
+    arguments, or ``-m module ...``). ``--standalone`` picks a free rendezvous port itself."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        *args,
+    ]
+
+
 def launched_by_torchrun() -> bool:
     """torchrun's variables are set (complete or not: an incomplete set is a user error elsewhere)."""
     return any(k in os.environ for k in _TORCHRUN_ENV)

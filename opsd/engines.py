@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from opsd.config import resolve_engine
+from opsd.cpu import CpuPlan
 from opsd.distributed import rank_world
 from opsd.errors import UserError
 from opsd.precision import dtype_name
@@ -34,6 +35,7 @@ def make_engine(
     autocast_dtype: torch.dtype | None = None,
     ranks: Dist | None = None,
     run_dir: str | None = None,
+    plan: CpuPlan | None = None,
 ) -> RolloutEngine:
     """The engine the rollout config asks for, on `model` (the trainer's live model object).
 
@@ -42,12 +44,20 @@ def make_engine(
     `compute_dtype` is vLLM's dtype when rollout.vllm_dtype is auto (the trainer's compute dtype, not
     the float32 of master weights); `autocast_dtype` makes the HF engine generate under autocast.
     `ranks`: this process's place among the trainer's ranks (one engine per rank under torchrun).
+    `plan`: the trainer's CPU plan (the HF engine's decoding mechanisms; None: the device's default).
     """
     name, why = resolve_engine(rollout.engine)
     if rank_world()[0] == 0:
         print(f"rollout engine: {name} ({why})", file=sys.stderr)
     if name == "hf":
-        return HFEngine(model, tokenizer, batch_size=rollout.batch_size, autocast_dtype=autocast_dtype)
+        return HFEngine(
+            model,
+            tokenizer,
+            batch_size=rollout.batch_size,
+            autocast_dtype=autocast_dtype,
+            plan=plan,
+            fold_lora_bytes=fold_lora_bytes(getattr(rollout, "fold_lora", "auto"), plan),
+        )
     if name == "vllm":
         max_len = rollout.max_model_len
         if max_len is None and max_prompt_len is not None:
@@ -84,3 +94,14 @@ def make_engine(
             server_world_size=rollout.server_tensor_parallel_size,
         )
     raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm', 'vllm_server']")
+
+
+def fold_lora_bytes(setting: str, plan: CpuPlan | None) -> int | None:
+    """``rollout.fold_lora`` as the HF engine's folding budget: ``auto`` the CPU plan's (None: the
+    engine's default plan for its device; a GPU's is 0 until a GPU measurement justifies it), ``off``
+    none, ``on`` the plan's budget where it has one, else every LoRA-wrapped weight."""
+    if setting == "off":
+        return 0
+    if setting == "on":
+        return plan.fold_lora_bytes if plan is not None and plan.fold_lora_bytes else 1 << 62
+    return None

@@ -11,10 +11,15 @@ import resource
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+
+from opsd.distributed import all_reduce_sum
+from opsd.loss import LossStats
 
 # Phases of a step, in order; each is timed into "time_<phase>" (seconds).
 PHASES = ("rollout", "teacher", "student", "loss", "optim")
@@ -93,6 +98,22 @@ def step_record(
     if "logprob_gap" in loss_stats:  # mean |log-prob of the rollout engine - the trainer's| per checked token
         rec["logprob_gap"] = float(loss_stats["logprob_gap"])
     return rec
+
+
+def reduce_over_ranks(
+    sums: dict[str, float], per_sample: list[list[float]], *, rank: int, world: int
+) -> tuple[dict[str, float], list[list[float]]]:
+    """One all-reduce for a step's metrics: ``sums`` (named fields, summed over ranks) and each rank's
+    ``per_sample`` rows (every rank has as many) in its own slots. Returns the summed fields and every
+    rank's rows, rank after rank."""
+    width = len(per_sample[0]) if per_sample else 1
+    mine = torch.zeros(world, len(per_sample), width, dtype=torch.float64)
+    if per_sample:
+        mine[rank] = torch.tensor(per_sample, dtype=torch.float64)
+    packed = torch.cat([torch.tensor(list(sums.values()), dtype=torch.float64), mine.flatten()])
+    reduced = all_reduce_sum(packed)
+    total = dict(zip(sums, reduced[: len(sums)].tolist()))
+    return total, reduced[len(sums) :].view(-1, width).tolist()
 
 
 def format_step_line(rec: dict) -> str:
@@ -244,3 +265,86 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+@dataclass
+class StepOutputs:
+    """What one optimizer step produced on this rank; :func:`step_metrics` turns it into the step's
+    metrics over all ranks."""
+
+    completions: list  # opsd.rollout.Completion
+    example_indices: list[int]  # the example each prompt came from
+    batches: list  # opsd.data.batching.MicroBatch
+    scores: Any  # opsd.objectives.Scores
+    loss_sum: torch.Tensor  # global (summed over ranks)
+    stats: LossStats  # this rank's
+    grad_norm: torch.Tensor
+    finite: bool
+    timer: StepTimer  # the phases' wall times
+    policy_lag: float = 0.0  # optimizer steps between the sampling weights and the trained ones
+
+
+def step_metrics(
+    out: StepOutputs,
+    *,
+    step: int,
+    lr: float,
+    prompt_truncated: dict[str, int],
+    epoch: int,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> tuple[dict, dict[str, float]]:
+    """The step's record over all ranks, from one sum of named fields (every rank calls it): loss
+    statistics, token counts, prompt truncation, the objective's sums, and each rank's response
+    lengths and truncation flags. Returns the record and the summed fields (the objective reads its
+    own)."""
+    sums = asdict(out.stats)
+    for side in ("teacher", "student"):
+        for kind in ("real", "padded"):
+            name = f"{side}_{kind}_tokens"
+            sums[name] = sum(getattr(mb, name) for mb in out.batches)
+    for side, count in prompt_truncated.items():
+        sums[f"prompt_truncated_{side}"] = count
+    sums.update(out.scores.sums)
+    per_sample = [[len(c.token_ids), c.finish_reason == "length"] for c in out.completions]
+    total, rows = reduce_over_ranks(sums, per_sample, rank=rank, world=world)
+    stats = LossStats(**{k: total[k] for k in asdict(out.stats)})
+    rec = step_record(
+        step=step,
+        loss=float(out.loss_sum),
+        loss_stats=stats.means(),
+        grad_norm=float(out.grad_norm),
+        lr=lr,
+        response_lens=[int(n) for n, _ in rows],
+        truncated=int(sum(cut for _, cut in rows)),
+        tokens=int(stats.tokens),
+        real_tokens={side: int(total[f"{side}_real_tokens"]) for side in ("teacher", "student")},
+        padded_tokens={side: int(total[f"{side}_padded_tokens"]) for side in ("teacher", "student")},
+        skipped=not out.finite,
+        prompt_truncated={s: int(total[f"prompt_truncated_{s}"]) for s in prompt_truncated},
+        epoch=epoch,
+        times=out.timer.times,
+        elapsed=out.timer.elapsed(),
+        peak_mem_gb=peak_memory_gb(device),
+    )
+    return rec, total
+
+
+def log_step(
+    writer: MetricsWriter, bar, rec: dict, out: StepOutputs, examples: list, decode, logging_cfg
+) -> None:
+    """The step's record to the sinks and the progress bar, and every ``logging.sample_every`` steps
+    the first ``logging.num_samples`` responses to samples.jsonl."""
+    writer.write(rec)
+    show_step(bar, rec, lines=logging_cfg.step_lines)
+    if logging_cfg.sample_every and rec["step"] % logging_cfg.sample_every == 0:
+        shown = out.completions[: logging_cfg.num_samples]
+        write_samples(
+            writer.path.parent / "samples.jsonl",
+            rec["step"],
+            [examples[out.example_indices[c.prompt_index]] for c in shown],
+            [decode(c.token_ids) for c in shown],
+            [c.finish_reason for c in shown],
+            show=logging_cfg.step_lines,
+        )

@@ -11,13 +11,13 @@ import os
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
 from functools import partial
-from types import MethodType
 
 import torch
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from opsd.devices import available_ram
+from opsd.cpu.budget import activation_budget
+from opsd.cpu.packing import is_packed, packed_hidden
 from opsd.errors import UserError
 from opsd.fetch import (
     CHATML_SPECIAL_TOKENS,
@@ -28,7 +28,6 @@ from opsd.fetch import (
     opsd_home,
 )
 from opsd.precision import DTYPES
-from opsd.rmsnorm import PLAIN_RMSNORMS, lean_rms_norms
 
 __all__ = [
     "CHATML_SPECIAL_TOKENS",
@@ -38,13 +37,10 @@ __all__ = [
     "base_model",
     "check_plain_head",
     "enable_gradient_checkpointing",
-    "frozen_weights_for_cpu",
     "final_hidden",
     "non_embedding_params",
     "head_weight",
     "load_model",
-    "lean_lora_forward",
-    "lean_rms_norms",
     "load_tokenizer",
     "lora_folded",
     "merged_state_dict",
@@ -55,6 +51,9 @@ __all__ = [
     "activation_bytes_per_token",
     "resolve_model_path",
 ]
+
+# RMSNorms that compute ``weight * (x * rsqrt(mean(x^2) + eps))``: float64_throughout recomputes them.
+PLAIN_RMSNORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 # Heads that are not a plain ``hidden @ W.T``: the fused loss would silently compute the wrong logits.
 _NONLINEAR_HEAD_ATTRS = (
@@ -253,42 +252,6 @@ def _float64_rope(
 # --- training setup ---------------------------------------------------------------------------
 
 
-def frozen_weights_for_cpu(*models: nn.Module | None, column_major: bool = True) -> int:
-    """Lays out every frozen ``nn.Linear`` weight column-major on the CPU (the same ``[out, in]``
-    values, stored as the contiguous transpose) and copies every other frozen CPU tensor into the
-    process's own memory. Returns how many weights changed layout.
-
-    Why: ``F.linear`` multiplies by ``W.T``, and MKL's float32 GEMM reads a column-major ``W`` (for
-    which ``W.T`` is contiguous) about twice as fast at the few rows of a decode step, and no slower
-    at a forward's thousands (docs/benchmarks.md, "HF engine"). The values do not change; products
-    may round differently in the last bit, the same for every forward that reads them. Copying also
-    releases the checkpoint's memory map, which would otherwise stay resident beside the copies.
-    Trainable weights keep their layout: their gradients, optimizer state and checkpoints are as before.
-
-    ``column_major=False`` only copies: for a process that never decodes with these weights (rollouts
-    in vLLM). There the layout gains nothing (a bf16 student pass ran as fast either way) and costs
-    each weight sync a transposing pass: adding a LoRA delta to a column-major weight into the
-    row-major sum vLLM reads took ~0.12 s of a ~0.44 s bf16 sync (docs/benchmarks.md, "LoRA's scale
-    on the weight").
-    """
-    seen: set[int] = set()
-    moved = 0
-    for model in models:
-        if model is None:
-            continue
-        linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-        for t in [*model.parameters(), *model.buffers()]:
-            if id(t) in seen or t.requires_grad or t.device.type != "cpu":
-                continue
-            seen.add(id(t))
-            if column_major and id(t) in linear and t.dim() == 2:
-                t.data = t.data.t().contiguous().t()
-                moved += 1
-            else:
-                t.data = t.data.clone()
-    return moved
-
-
 def enable_gradient_checkpointing(model: nn.Module) -> None:
     """Recompute activations in backward; non-reentrant, so frozen inputs and no_grad teachers work."""
     kwargs = {"use_reentrant": False}
@@ -321,60 +284,7 @@ def apply_lora(
         model.enable_input_require_grads()
     peft_model = get_peft_model(model, config)
     portable_lora_init(peft_model)
-    lean_lora_forward(peft_model)
     return peft_model.train()
-
-
-def lean_lora_forward(model: nn.Module) -> int:
-    """Every plain LoRA ``Linear`` of ``model`` computes ``base(x) + A(x) @ (scale * B).T`` instead of
-    peft's ``base(x) + B(A(x)) * scale``. Returns how many modules it changed.
-
-    Why: the scale then multiplies B's ``[out, r]`` weight instead of the ``[tokens, out]`` output,
-    in the forward and again in the backward: a bf16 student forward + backward of one SmolLM2-135M
-    micro-batch ran 7% faster (float32 3%; ~2% of the trainer's student phase) on a 2-core AMX CPU
-    (docs/benchmarks.md, "LoRA's scale on the weight"). With a power-of-two scale (peft's alpha / r
-    at the usual settings) every value is the same bit for bit; otherwise the products round
-    differently in the last bit. Adapters with a bias, variants (DoRA), mixed-adapter batches and a
-    disabled or merged adapter run peft's own forward; state dicts, merges and checkpoints are
-    untouched.
-    """
-    from peft.tuners.lora.layer import Linear
-
-    changed = 0
-    for mod in model.modules():
-        if type(mod) is not Linear or not hasattr(mod, "_cast_input_dtype"):
-            continue
-        # A bound method, not a partial: torch.compile guards a partial's identity, so each layer's
-        # own partial would recompile the layers' shared code (model.compile), one layer at a time
-        # until dynamo's recompile limit sent the rest back to eager.
-        mod.forward = MethodType(_lean_lora_forward, mod)
-        changed += 1
-    return changed
-
-
-def _lean_lora_forward(mod: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
-    """peft's ``lora.Linear.forward`` for plain adapters, the scale applied to B's weight."""
-    adapters = [a for a in mod.active_adapters if a in mod.lora_A]
-    special = any(_needs_peft_forward(mod, a) for a in adapters)
-    if mod.disable_adapters or mod.merged or special or kwargs.get("adapter_names") is not None:
-        return type(mod).forward(mod, x, *args, **kwargs)
-    result = mod.base_layer(x, *args, **kwargs)
-    dtype = result.dtype
-    for name in adapters:
-        a = mod.lora_A[name]
-        x = mod._cast_input_dtype(x, a.weight.dtype)
-        h = a(mod.lora_dropout[name](x))
-        result = result + nn.functional.linear(h, mod.lora_B[name].weight * mod.scaling[name])
-    return result.to(dtype)
-
-
-def _needs_peft_forward(mod: nn.Module, adapter: str) -> bool:
-    """What the lean forward leaves to peft: a variant (DoRA) or an adapter with a bias."""
-    if adapter in getattr(mod, "lora_variant", {}):
-        return True
-    if getattr(mod, "use_dora", {}).get(adapter, False):
-        return True
-    return mod.lora_B[adapter].bias is not None
 
 
 @torch.no_grad()
@@ -410,20 +320,6 @@ def compile_layers(*models: nn.Module | None) -> int:
             layer.compile(dynamic=True)
         count += len(layers)
     return count
-
-
-def check_compiler(device: torch.device) -> None:
-    """``model.compile`` on a CPU: inductor writes C++ and needs a compiler to build it."""
-    if device.type != "cpu":
-        return
-    import shutil
-
-    names = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
-    if not any(name and shutil.which(name) for name in names):
-        raise UserError(
-            "model.compile=true on a CPU needs a C++ compiler (g++ or clang++ on PATH, or CXX); "
-            "install one or set model.compile=false"
-        )
 
 
 # --- the forward the loss needs ---------------------------------------------------------------
@@ -477,109 +373,18 @@ def final_hidden(
 ) -> Tensor:
     """Final (post-norm) hidden states at ``positions``: ``[R, H]``; the model never makes logits.
 
-    ``rows`` (:class:`opsd.data.batching.MicroBatch`'s ``*_rows``): each right-padded row's first
-    ``rows[b]`` positions attend only to themselves, without an attention mask: padding after a row's
-    tokens is invisible to causal attention, so the rows' hidden states are the batched forward's (up
-    to the products' rounding), without the padding's work or a mask that keeps attention from
-    skipping the causal triangle. With :data:`PACKED_SDPA` attention (:func:`pack_rows`) the rows run
-    as one sequence, one causal attention call per row; otherwise one forward per row."""
+    ``rows`` (:class:`opsd.data.batching.MicroBatch`'s ``*_rows``, set only where the CPU plan packs
+    rows and the model attends with :data:`opsd.cpu.packing.PACKED_SDPA`): each right-padded row's
+    first ``rows[b]`` tokens run packed into one sequence without an attention mask
+    (:func:`opsd.cpu.packing.packed_hidden`): the batched forward's hidden states, up to the products'
+    rounding, without the padding's work."""
     decoder = base_model(model).get_decoder()
     positions = positions.to(input_ids.device)
-    if rows is None:
-        out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = out.last_hidden_state
-        return hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
-    width = input_ids.shape[1]
-    counts = torch.bincount(positions // width, minlength=len(rows)).tolist()
-    if decoder.config._attn_implementation == PACKED_SDPA:
-        return _packed_hidden(decoder, input_ids, positions, rows, counts)
-    parts = []
-    for b, (w, pos) in enumerate(zip(rows, positions.split(counts), strict=True)):
-        if pos.numel() == 0:  # nothing of this row is read
-            continue
-        hidden = decoder(input_ids=input_ids[b : b + 1, :w], use_cache=False).last_hidden_state[0]
-        parts.append(hidden.index_select(0, pos - b * width))
-    return torch.cat(parts)
-
-
-def _packed_hidden(
-    decoder: nn.Module, input_ids: Tensor, positions: Tensor, rows: list[int], counts: list[int]
-) -> Tensor:
-    """:func:`final_hidden` over the read rows packed into one sequence. Position ids restart at each
-    row: rotary attention depends only on position differences, but float32 angles round with their
-    size, so each row keeps the batched forward's angles. ``cu_seq_lens_q``, the flash kernels'
-    packed convention, tells :data:`PACKED_SDPA` attention where each row starts."""
-    device = input_ids.device
-    read = [b for b, n in enumerate(counts) if n]
-    ids = torch.cat([input_ids[b, : rows[b]] for b in read])
-    position_ids = torch.cat([torch.arange(rows[b], device=device) for b in read])
-    lengths = torch.tensor([0] + [rows[b] for b in read], device=device)
-    bounds = lengths.cumsum(0)
-    start = torch.zeros(len(rows), dtype=torch.long, device=device)
-    start[read] = bounds[:-1]
-    out = decoder(input_ids=ids[None], position_ids=position_ids[None], cu_seq_lens_q=bounds, use_cache=False)
-    width = input_ids.shape[1]
-    row = positions // width
-    return out.last_hidden_state[0].index_select(0, start[row] + positions - row * width)
-
-
-PACKED_SDPA = "opsd_sdpa"  # transformers' sdpa attention that also runs packed rows
-
-
-def pack_rows(*models: nn.Module | None) -> int:
-    """Models attending with transformers' ``sdpa`` switch to :data:`PACKED_SDPA`, so
-    :func:`final_hidden` runs a micro-batch's rows as one sequence. Returns how many switched.
-
-    Why: one forward per row multiplied each row's few hundred tokens by the weights alone; packed,
-    every product spans the micro-batch's tokens, where a CPU's GEMMs run faster (SmolLM2-135M's
-    shapes, float32, 2-core EPYC: 150-175 GFLOP/s at 205 rows, 183-190 at 820) and each operator is
-    dispatched once per micro-batch, not per row: the float32 micro-batch loop of a SmolLM2-135M step
-    ran 5-9% faster (development readings, docs/benchmarks.md "Rows packed into one forward"). Its
-    cost: beside the colocated vLLM engine, whose loop never trims the heap, peak RSS rose 0.35 GiB
-    (bf16) to 0.9 GiB (float32): the same peak in use, in larger blocks of more sizes. Nothing else
-    changes: without ``cu_seq_lens_q`` (generation, batched micro-batches) the attention is
-    ``sdpa``'s, and a saved config does not record the implementation."""
-    try:
-        from transformers import AttentionInterface, AttentionMaskInterface
-        from transformers.masking_utils import sdpa_mask
-    except ImportError:  # an older transformers: a forward per row
-        return 0
-    AttentionInterface.register(PACKED_SDPA, _packed_sdpa)
-    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-    switched = 0
-    for model in models:
-        if model is None:
-            continue
-        base = base_model(model)
-        if base.config._attn_implementation == "sdpa" and hasattr(base, "set_attn_implementation"):
-            base.set_attn_implementation(PACKED_SDPA)
-            switched += 1
-    return switched
-
-
-def _packed_sdpa(
-    module: nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor | None,
-    *args,
-    cu_seq_lens_q: Tensor | None = None,
-    **kwargs,
-) -> tuple[Tensor, None]:
-    """transformers' sdpa attention; with ``cu_seq_lens_q`` (rows packed into one sequence) each row
-    attends causally to itself alone, one ``is_causal`` call per row (the packed sequence's block
-    mask, which transformers builds from the position ids, is not used)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    bounds = cu_seq_lens_q.tolist()
-    parts = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
-        parts.append(sdpa_attention_forward(module, q, k, v, None, *args, **kwargs)[0])
-    return torch.cat(parts, dim=1), None
+    if rows is not None and is_packed(decoder):
+        return packed_hidden(decoder, input_ids, positions, rows)
+    out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = out.last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
 
 
 # --- merged weights ---------------------------------------------------------------------------
@@ -650,14 +455,14 @@ def merged_weights(model: nn.Module, skip: Container[str] = ()) -> Iterator[tupl
             local = not isinstance(value, DTensor)  # a shard's sum stays a DTensor, which the caller gathers
             out = torch.empty(value.shape, dtype=value.dtype, device=value.device) if local else None
             value = _plus_deltas(value, mod, name, out=out)
-        yield name, value.contiguous()  # a column-major frozen weight (frozen_weights_for_cpu) is copied
+        yield name, value.contiguous()  # a column-major frozen weight is copied
 
 
 def _plus_deltas(value: Tensor, mod: nn.Module, name: str, *, out: Tensor | None = None) -> Tensor:
     """``value`` plus each active LoRA adapter's ``scale * B @ A`` in adapter order; ``value`` is
     never touched. With ``out`` the sum is written there, in ``out``'s layout, and returned.
 
-    Why ``out``: adding a column-major weight (frozen_weights_for_cpu) to a row-major delta straight
+    Why ``out``: adding a column-major weight (opsd.cpu.layout.frozen_weights) to a row-major delta straight
     into a buffer of the layout wanted is 2-5x faster than adding and then laying the sum out with
     ``.contiguous()`` (a development reading at SmolLM2's shapes), and gives the same values.
     """
@@ -693,7 +498,7 @@ def _plain_lora(mod: nn.Module, adapter: str, value: Tensor) -> bool:
     from peft.tuners.lora.layer import Linear
 
     b = mod.lora_B[adapter].weight
-    cast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+    cast = not b.is_cuda and b.dtype in (torch.float16, torch.bfloat16)  # peft's own rule
     wide = b.dtype == value.dtype or b.dtype == torch.float32
     same = mod.lora_A[adapter].weight.dtype == b.dtype
     return type(mod) is Linear and not mod.fan_in_fan_out and wide and same and not cast
@@ -738,10 +543,6 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return dict(merged_weights(model))
 
 
-CPU_ACTIVATION_BUDGET = 512 << 20  # bytes of saved activations per micro-batch on a CPU (auto)
-CPU_ACTIVATION_BUDGET_BESIDE_VLLM = 2 << 30  # the same with the colocated vLLM engine in the process
-
-
 def activation_bytes_per_token(config, dtype: torch.dtype, checkpointing: bool) -> int:
     """What a decoder's forward keeps for its backward, per token: about 8 hidden-size and 5
     intermediate-size vectors per layer (norms, q/k/v, attention output, residuals; gate, up, the
@@ -766,36 +567,21 @@ def microbatch_budget(
 ) -> tuple[int, str]:
     """``optim.max_tokens_per_microbatch: auto``: as many tokens as keep the student's saved activations
     within a quarter of the accelerator's free memory less ``reserve`` bytes (what the step will take
-    that is not allocated yet: AdamW's state), or within 512 MiB on a CPU (where generation, the data
-    and the OS share the RAM; a SmolLM2-135M LoRA step peaks at 1.89-1.98 GiB RSS there, 2.87 GiB at
-    1 GiB before the trainer trimmed the heap, docs/benchmarks.md). Between 256 and 16,384
-    tokens. Measure it with any vLLM engine asleep. Returns the budget and the reason (a notice).
-
-    ``beside_vllm`` on a CPU (the colocated vLLM engine runs in this process): 2 GiB, at most a quarter
-    of the RAM available to this rank. vLLM's weight copy and KV cache already hold such a process
-    near 4 GiB, far above the 2 GiB that 512 MiB keeps an HF-engine step under, and with one or two
-    samples per micro-batch the student pass ran 1.3-1.9x slower than at 2 GiB, three to five
-    (development readings in docs/benchmarks.md, "Micro-batches beside vLLM").
-    """
+    that is not allocated yet: AdamW's state), or within the CPU's budget
+    (:func:`opsd.cpu.budget.activation_budget`). Between 256 and 16,384 tokens. Measure it with any
+    vLLM engine asleep. Returns the budget and the reason (a notice)."""
     if setting != "auto":
         return int(setting), "set in the config"
     per_token = activation_bytes_per_token(config, dtype, checkpointing)
-    if device.type == "cuda":  # reserve: memory the step will take that is not allocated yet (AdamW state)
+    if device.type == "cuda":
+        # What the caching allocator holds but does not use is free to this step too.
+        torch.cuda.empty_cache()
         free = max(0, torch.cuda.mem_get_info(device)[0] - reserve)
         room, where = (
             free // 4,
             f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state",
         )
-    elif beside_vllm:
-        room, where = CPU_ACTIVATION_BUDGET_BESIDE_VLLM, "2 GiB on the CPU beside the vLLM engine"
-        ram = available_ram()
-        if ram is not None:
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's ranks here share it
-            quarter = max(0, ram // local_ranks - reserve) // 4
-            if quarter < room:
-                room = quarter
-                where = f"a quarter of the {quarter * 4 / 2**30:.1f} GiB of RAM available, vLLM resident"
     else:
-        room, where = CPU_ACTIVATION_BUDGET, "512 MiB on the CPU"
+        room, where = activation_budget(reserve, beside_vllm=beside_vllm)
     tokens = max(256, min(16384, room // per_token))
     return tokens, f"~{per_token / 2**20:.2f} MiB of activations per token, {where}"

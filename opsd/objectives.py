@@ -71,6 +71,7 @@ class Distillation:
     spec: DistillSpec
     chunk_size: int | None
     sampling_temperature: float
+    slab_elements: int | None = None  # the CPU plan's (opsd.cpu.CpuPlan.loss_slab_elements)
     uses_teacher: bool = True
     needs_answers: bool = False
 
@@ -92,6 +93,7 @@ class Distillation:
             mb.targets,
             self.spec,
             chunk_size=self.chunk_size,
+            slab_elements=self.slab_elements,
             matmul_dtype=matmul_dtype,
             target_logprobs=mine,
         )
@@ -195,38 +197,22 @@ def check_rollout_logprobs(
     stats.logprob_tokens = float(mine.numel())
 
 
-# On a CPU with the HF engine, the loss's rows per chunk (see loss_chunk_size).
-FRUGAL_CHUNK_ROWS = 128
-
-
-def loss_chunk_size(setting: int | None, device: torch.device, engine: str) -> int | None:
-    """``loss.chunk_size`` as the rows per loss chunk; unset, 128 on a CPU with the HF engine and None
-    (the loss's own 256-row choice) elsewhere.
-
-    Why: with the HF engine a CPU step is held near 2 GiB (the trainer trims the heap), and the
-    loss's ``[rows, V]`` float32 blocks are then its peak: 128 rows took a bf16 SmolLM2-135M step from
-    2.05 to 1.86 GiB for ~5% of the loss's time (docs/benchmarks.md, "Loss chunks for the HF engine
-    on a CPU"). Beside vLLM (~5 GiB resident anyway) and on a GPU the faster 256 rows are kept."""
-    if setting is not None:
-        return setting
-    if device.type == "cpu" and engine == "hf":
-        return FRUGAL_CHUNK_ROWS
-    return None
-
-
-def make_distillation(cfg: Config, chunk_size: int | None) -> Distillation:
+def make_distillation(cfg: Config, chunk_size: int | None, slab_elements: int | None = None) -> Distillation:
     """The loss section as a :class:`Distillation` (OPSD's objective, GRPO's distillation term and the
-    held-out divergence); ``chunk_size``: :func:`loss_chunk_size`'s."""
+    held-out divergence); ``chunk_size``: ``loss.chunk_size`` or the CPU plan's, ``slab_elements``: the
+    CPU plan's."""
     return Distillation(
         spec=cfg.loss.to_spec(cfg.rollout.temperature),
         chunk_size=chunk_size,
         sampling_temperature=cfg.rollout.temperature,
+        slab_elements=slab_elements,
     )
 
 
-def make_objective(cfg: Config, chunk_size: int | None) -> Objective:
-    """``cfg.objective`` as an object, its options bound once; ``chunk_size``: :func:`loss_chunk_size`'s."""
-    distill = make_distillation(cfg, chunk_size)
+def make_objective(cfg: Config, chunk_size: int | None, slab_elements: int | None = None) -> Objective:
+    """``cfg.objective`` as an object, its options bound once (``chunk_size``, ``slab_elements``: as
+    :func:`make_distillation` takes them)."""
+    distill = make_distillation(cfg, chunk_size, slab_elements)
     if cfg.objective == "opsd":
         return distill
     return GRPO(

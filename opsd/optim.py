@@ -33,8 +33,16 @@ def make_optimizer(
     schedule: str = "constant",
     min_ratio: float = 0.0,
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over ``params`` and its schedule (:func:`lr_factor`), stepped once per optimizer step."""
-    opt = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    """AdamW over ``params`` and its schedule (:func:`lr_factor`), stepped once per optimizer step.
+
+    Where every parameter is on a CUDA device (FSDP2's DTensors included) AdamW runs fused: one kernel
+    per step and dtype instead of the default foreach path's several passes over the parameters,
+    moments and gradients. Elsewhere it keeps PyTorch's default (foreach on CPU), whose numbers the
+    CPU tests pin."""
+    fused = bool(params) and all(p.is_cuda for p in params)
+    opt = torch.optim.AdamW(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True if fused else None
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, warmup=warmup, total=total, schedule=schedule, min_ratio=min_ratio)
     )

@@ -103,3 +103,10 @@ class GracefulStop:
         for sig, h in self._old.items():
             signal.signal(sig, h)
         self._old.clear()
+
+    def say_stopped(self, step: int, run_dir: Path) -> None:
+        """What stopped the run, after which step, and the command that resumes it."""
+        print(
+            f"\nstopped by {self.requested} after step {step}; resume with:\n  opsd train --resume {run_dir}",
+            file=sys.stderr,
+        )

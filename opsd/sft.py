@@ -22,9 +22,9 @@ from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from opsd.config import DeviceSetting
+from opsd.cpu import default_plan
 from opsd.data import DEFAULT_INSTRUCTION, student_prompt_ids
 from opsd.data.batching import pad_right, response_positions
-from opsd.devices import bucket_widths
 from opsd.models import final_hidden, head_weight
 from opsd.optim import make_optimizer
 
@@ -81,8 +81,8 @@ def sft(
         schedule=schedule,
         min_ratio=min_lr_ratio,
     )
-    # Widths in buckets where the CPU's bf16 attention keeps a kernel per length (bucket_widths).
-    bucket = bucket_widths(device, autocast_dtype or next(model.parameters()).dtype)
+    # Widths in buckets where the CPU's bf16 attention keeps a kernel per length (the CPU plan's).
+    bucket = default_plan(device, autocast_dtype or next(model.parameters()).dtype).bucket_widths
     rng = random.Random(seed)
     model.train()
     losses = []

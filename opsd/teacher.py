@@ -8,7 +8,8 @@ forward pass and hands back only its **final hidden states at the response posit
 Modes: ``fixed`` (initial policy: LoRA adapter disabled, or a frozen copy), ``ema`` (moving
 average of the student), ``live`` (current policy, no grad), ``external`` (another model with
 the same tokenizer). None of them ever receives a gradient. The EMA weights are kept in float32
-(or wider); a frozen copy is kept in the compute dtype (``copy_dtype``).
+(or wider); a frozen copy's parameters are kept in the compute dtype (``copy_dtype``), cast while
+they are copied (:func:`frozen_copy_of`).
 
 Under torchrun the student is FSDP-sharded, and so is a separate teacher network (the frozen
 copy or the external model); forwards go through :func:`opsd.parallel.forward_hidden` so that
@@ -60,14 +61,17 @@ class Teacher:
             self.model = external.requires_grad_(False).eval()
             check_plain_head(self.model)
         elif mode == "fixed" and not lora:
-            self.model = copy.deepcopy(base_model(student)).requires_grad_(False).eval()
-            if copy_dtype is not None:  # never updated: it needs no float32 master copy
-                self.model.to(copy_dtype)
+            # Never updated: it needs no float32 master copy. One process with frozen_copy=cpu makes it
+            # in host memory directly, never on the accelerator.
+            host = frozen_copy == "cpu" and not sharded
+            self.model = frozen_copy_of(
+                base_model(student), copy_dtype, torch.device("cpu") if host else None
+            )
             if frozen_copy == "cpu" and sharded:
                 self.offload_shards = self.model.device.type == "cuda"  # FSDP's CPU offload is for GPU runs
-            elif frozen_copy == "cpu":
+            elif host:
                 self.offload = True
-                self.model.to("cpu")
+                self.model.to("cpu")  # the buffers (the parameters are there already)
                 self._host = _pinned_host_copies(self.model)
         elif mode not in ("fixed", "live", "ema"):
             raise ValueError(f"unknown teacher mode {mode!r}: expected fixed, ema, live or external")
@@ -154,6 +158,29 @@ class Teacher:
     def tensors(self) -> dict[str, Tensor]:
         """The state a checkpoint must hold (the EMA weights, sharded like the student), by name."""
         return {f"teacher.ema.{i}": e for i, e in enumerate(self.ema)}
+
+
+def frozen_copy_of(
+    net: nn.Module, dtype: torch.dtype | None, device: torch.device | None = None
+) -> nn.Module:
+    """A frozen copy of ``net`` (no gradients, eval mode) whose floating-point parameters are made
+    directly in ``dtype`` and on ``device`` (None: as they are), one parameter at a time.
+
+    ``copy.deepcopy`` followed by ``.to(dtype)`` first cloned every parameter in its own dtype, on its
+    own device: for bf16 compute over float32 masters on a GPU, a float32 copy of the whole model (6.9
+    GB at Qwen3-1.7B) beside the masters, only to be cast and freed. Here each cast parameter is
+    handed to ``deepcopy`` ready-made through its memo, so the peak beside ``net`` is the copy itself;
+    tied weights stay tied (one memo entry per tensor). Buffers are deep-copied in their own dtype, as
+    the student computes with them (a rotary ``inv_freq`` cast to bf16 would move every position's
+    angle by up to 2^-9 of itself)."""
+    memo: dict[int, object] = {}
+    for p in net.parameters():
+        cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+        if cast != p.dtype or (device is not None and p.device != device):
+            memo[id(p)] = nn.Parameter(
+                p.detach().to(device=device or p.device, dtype=cast), requires_grad=False
+            )
+    return copy.deepcopy(net, memo).requires_grad_(False).eval()
 
 
 def _put(params: list[nn.Parameter], values: list[Tensor], *, in_place: bool) -> None:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from opsd.distributed import first_error, rank_world
 from opsd.errors import UserError
-from opsd.rollout import Completion, EngineError, SamplingParams, _check_prompts, _stop_ids
+from opsd.rollout.base import Completion, EngineError, SamplingParams, _check_prompts, _stop_ids
 
 PROBE_TOKENS = 8
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 # OpenMP's waiting is set below, before torch is imported:
 # ruff: noqa: E402
-from opsd.devices import openmp_waiting  # imports no torch
+from opsd.cpu.openmp import openmp_waiting  # imports no torch
 
 # Before torch starts OpenMP: on a busy 2-core CI box, spin-waiting threads (the default) make
 # small forwards several times slower, and the tests spawn worker processes of their own. The

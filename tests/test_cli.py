@@ -24,7 +24,7 @@ def test_openmp_waiting_is_set_before_torch_unless_the_user_chose():
     OMP_WAIT_POLICY or GOMP_SPINCOUNT stands, and then the other is not added."""
     import os
 
-    from opsd.devices import OPENMP_SPIN, openmp_waiting
+    from opsd.cpu.openmp import OPENMP_SPIN, openmp_waiting
 
     code = (
         "import os, sys, opsd.cli\n"

@@ -13,8 +13,9 @@ import torch
 from helpers import build_assets, make_cfg
 
 from opsd import Trainer, models
+from opsd.devices import check_compiler
 from opsd.errors import UserError
-from opsd.rmsnorm import PLAIN_RMSNORMS
+from opsd.models import PLAIN_RMSNORMS
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +24,9 @@ def assets(tmp_path_factory) -> dict:
 
 
 def _has_cxx() -> bool:
-    """The trainer's own compiler check (models.check_compiler), as a skip condition."""
+    """The trainer's own compiler check (opsd.devices.check_compiler), as a skip condition."""
     try:
-        models.check_compiler(torch.device("cpu"))
+        check_compiler(torch.device("cpu"))
     except UserError:
         return False
     return True
@@ -62,7 +63,7 @@ def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
     tr = Trainer(make_cfg(assets, tmp_path / "compiled", **{**over, "model.compile": "true"}))
     layers = models.base_model(tr.model).get_decoder().layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
-    assert models.base_model(tr.model).config._attn_implementation == "sdpa"  # rows stay a forward each
+    assert models.base_model(tr.model).config._attn_implementation == "sdpa"  # compiled rows stay batched
     norms = [m for m in tr.model.modules() if type(m).__name__ in PLAIN_RMSNORMS]
     assert norms and not any("forward" in m.__dict__ for m in norms)  # inductor fuses transformers' own
     compiled = tr.train()
@@ -75,11 +76,11 @@ def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not HAS_CXX, reason="inductor needs a C++ compiler on the CPU")
 def test_compiled_lora_layers_share_their_code():
-    """Every decoder layer runs the same code, and opsd's LoRA forward (models.lean_lora_forward) keeps
-    it so: dynamo compiles it for the first layer (whose input needs no gradient) and once more for
-    the others, whatever their number or the sequence length. A per-module forward that dynamo
-    guards by identity (a ``functools.partial``) recompiled it layer after layer until dynamo's
-    recompile limit sent the remaining layers back to eager."""
+    """Every decoder layer runs the same code, peft's LoRA layers included: dynamo compiles it for the
+    first layer (whose input needs no gradient) and once more for the others, whatever their number
+    or the sequence length. A per-module forward that dynamo guards by identity (a
+    ``functools.partial``) would recompile it layer after layer until dynamo's recompile limit sent
+    the remaining layers back to eager."""
     from torch._dynamo.utils import counters
 
     from opsd.tiny import build_tiny_model, build_tiny_tokenizer
@@ -115,5 +116,5 @@ def test_no_compiler_is_one_line(monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(UserError, match="needs a C\\+\\+ compiler"):
-        models.check_compiler(torch.device("cpu"))
-    models.check_compiler(torch.device("meta"))  # not a CPU: nothing to build here
+        check_compiler(torch.device("cpu"))
+    check_compiler(torch.device("meta"))  # not a CPU: nothing to build here

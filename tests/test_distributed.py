@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -590,16 +589,7 @@ if sys.argv[1] == "exit_rank":
 
 
 def _torchrun(script, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-        *args,
-    ]
+    cmd = D.torchrun_command(2, str(script), *args)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 

@@ -100,7 +100,7 @@ def never_rule_violations(graph: dict[str, set[str]]) -> list[str]:
     for name, deps in sorted(graph.items()):
         for dep in sorted(deps):
             loss_out = _in(name, "opsd.loss") and not _in(dep, "opsd.loss") and dep != "opsd.errors"
-            data_models = _in(name, "opsd.data") and dep in MODEL_CODE
+            data_models = _in(name, "opsd.data") and any(_in(dep, m) for m in MODEL_CODE)
             trainer = dep == "opsd.trainer" and name != "opsd" and not any(_in(name, c) for c in COMMANDS)
             if loss_out or data_models or (trainer and name != "opsd.trainer"):
                 bad.append(f"{name} -> {dep}")

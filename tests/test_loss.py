@@ -342,7 +342,7 @@ def precision(hs, ht, w, y, spec, **kw):
 
 
 def test_float32_gradient_error_bound():
-    # issue 12: token clipping at tau=0.05, T=0.7; kept tokens with tiny divergences are the hard case. Grads:
+    # Token clipping at tau=0.05, T=0.7; kept tokens with tiny divergences are the hard case. Grads:
     # the float32 logits alone (256-term products, |z| <= 60; all else float64) give 2.2e-4 on seed 0 on an
     # AVX512 CPU (1.4e-4 on fused.py's), <= 1.1e-4 on the others: 6e-4 allows 2.7x for other BLAS blockings.
     # Loss: measured <= 3e-6 (fused.py: 1e-5 at the SmolLM2 shape); 5e-5 leaves 5x over that.
@@ -405,23 +405,30 @@ def test_bf16_matmul_follows_the_float32_path(kw):
 
 @pytest.mark.parametrize("mm", [None, torch.bfloat16], ids=["compute-dtype", "bf16-products"])
 @pytest.mark.parametrize("kw", CASES, ids=IDS)
-def test_slabs_within_a_chunk_change_nothing(kw, mm, monkeypatch):
-    """The kernels run a few rows (a slab) of each chunk's products at a time (fused.SLAB_ELEMENTS): slabs
+def test_slabs_within_a_chunk_change_nothing(kw, mm):
+    """The kernels run a few rows (a slab) of each chunk's products at a time (``slab_elements``): slabs
     of 3 rows in chunks of 7 (a short last slab in each) give what one slab per chunk gives."""
-    import opsd.loss.fused as fused
-
     dtype = torch.float64 if mm is None else torch.bfloat16
     hs, ht, w, y = make(n=17, v=40, seed=11, dtype=dtype)
     weights = torch.rand(17, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
     weights[4] = 0.0
     spec = DistillSpec(temperature=1.2, **kw)
     out = []
-    for rows in (7, 3):
-        monkeypatch.setattr(fused, "SLAB_ELEMENTS", rows * w.shape[0])
+    for rows in (None, 3):
         h1, w1 = hs.clone().requires_grad_(), w.clone().requires_grad_()
         lp = torch.zeros(17, dtype=torch.float64 if mm is None else torch.float32)
         loss, st = fused_linear_distill(
-            h1, w1, ht, w1, weights, y, spec, chunk_size=7, matmul_dtype=mm, target_logprobs=lp
+            h1,
+            w1,
+            ht,
+            w1,
+            weights,
+            y,
+            spec,
+            chunk_size=7,
+            slab_elements=rows and rows * w.shape[0],
+            matmul_dtype=mm,
+            target_logprobs=lp,
         )
         loss.backward()
         out.append((loss.detach().double(), st, h1.grad.double(), w1.grad.double(), lp.double()))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import string
 import time
@@ -301,7 +300,7 @@ def test_frozen_weights_for_cpu_changes_layout_not_values(tiny_tokenizer):
     """Frozen Linear weights become column-major with the same values (tied head counted once);
     trainable ones keep their layout; the forward agrees to float64 rounding (error model: the same
     sums in another order, ~1e-16 relative per product, far below 1e-12)."""
-    from opsd.models import frozen_weights_for_cpu
+    from opsd.cpu.layout import frozen_weights
 
     ids = torch.tensor([tiny_tokenizer("What is 12 + 30? 42").input_ids])
     model = build_tiny_model(tiny_tokenizer, seed=0).double()
@@ -310,7 +309,7 @@ def test_frozen_weights_for_cpu_changes_layout_not_values(tiny_tokenizer):
     before = {n: p.detach().clone() for n, p in lora.named_parameters()}
     with torch.no_grad():
         want = lora(ids).logits
-    moved = frozen_weights_for_cpu(lora, None)
+    moved = frozen_weights(lora, None)
     linear = [m for m in lora.modules() if isinstance(m, torch.nn.Linear)]
     frozen = {id(m.weight): m.weight for m in linear if not m.weight.requires_grad}
     assert moved == len(frozen) > 0
@@ -329,12 +328,13 @@ def test_lora_folded_matches_the_adapter_and_restores_every_bit(tiny_tokenizer):
     """Inside: the adapter folded into copies equals the unmerged forward to float64 rounding (the
     same products summed in another order); after: the very tensors, bit for bit, and the adapter on.
     Too small a byte limit folds nothing."""
-    from opsd.models import frozen_weights_for_cpu, lora_folded
+    from opsd.cpu.layout import frozen_weights
+    from opsd.models import lora_folded
 
     ids = torch.tensor([tiny_tokenizer("What is 12 + 30? 42").input_ids])
     lora = _lora(build_tiny_model(tiny_tokenizer, seed=0).double())
     _randomize_lora_b(lora)
-    frozen_weights_for_cpu(lora)
+    frozen_weights(lora)
     lora.eval()
     bases = [m.base_layer.weight for m in lora.modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")]
     saved = [(w.data_ptr(), w.stride(), w.detach().clone()) for w in bases]
@@ -370,11 +370,10 @@ def test_final_hidden_and_head_weight_make_the_logits(tiny_model, tiny_tokenizer
         torch.testing.assert_close(logits, model(ids).logits[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("bucket", [False, True])
-def test_final_hidden_one_row_at_a_time_is_the_batched_forward(tiny_tokenizer, bucket, packed, monkeypatch):
-    """Rows attending only to themselves (a CPU's micro-batches), a forward per row or ``packed`` into
-    one sequence (:func:`models.pack_rows`), without an attention mask, give the padded batch's hidden
+def test_final_hidden_of_packed_rows_is_the_batched_forward(tiny_tokenizer, bucket, monkeypatch):
+    """Rows attending only to themselves (a CPU's micro-batches), packed into one sequence
+    (:func:`opsd.cpu.packing.pack_rows`), without an attention mask, give the padded batch's hidden
     states and gradients. Float64, so the only difference is the products' summation order (another
     number of rows): within 1e-12 relative. With ``bucket`` a row keeps padding after its tokens,
     which causal attention cannot see; a row read at another offset, or packed rows attending across
@@ -387,8 +386,10 @@ def test_final_hidden_one_row_at_a_time_is_the_batched_forward(tiny_tokenizer, b
     from transformers import AttentionInterface
     from transformers.integrations import sdpa_attention
 
+    from opsd.cpu import packing
+
     attention, packs = [], []  # each attention call's (query length, masked?); each packed forward
-    real_sdpa, real_packed = sdpa_attention.sdpa_attention_forward, models._packed_hidden
+    real_sdpa, real_packed = sdpa_attention.sdpa_attention_forward, models.packed_hidden
 
     def spy_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
         attention.append((query.shape[2], attention_mask is not None))
@@ -400,10 +401,9 @@ def test_final_hidden_one_row_at_a_time_is_the_batched_forward(tiny_tokenizer, b
 
     monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy_sdpa)  # what the packed rows call
     monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", spy_sdpa)  # what "sdpa" models call
-    monkeypatch.setattr(models, "_packed_hidden", spy_packed)
-    if packed:
-        assert models.pack_rows(model) == 1
-        assert model.get_base_model().config._attn_implementation == models.PACKED_SDPA
+    monkeypatch.setattr(models, "packed_hidden", spy_packed)
+    assert packing.pack_rows(model) == 1
+    assert model.get_base_model().config._attn_implementation == packing.PACKED_SDPA
     gen = torch.Generator().manual_seed(3)
     lengths = [(5, 9, 3), (17, 29, 6), (11, 11, 1), (27, 41, 8)]  # (student prompt, teacher prompt, response)
     samples = []
@@ -438,17 +438,16 @@ def test_final_hidden_one_row_at_a_time_is_the_batched_forward(tiny_tokenizer, b
             torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12 * float(a.abs().max()))
     assert got["rows", "student"][0].shape == (18, model.config.hidden_size)
     # Every row's attention ran unmasked over its own width (a packed sequence attending through its
-    # block mask would be one masked call over all rows), in one forward per side when packed.
+    # block mask would be one masked call over all rows), layer by layer, each row in turn, in one
+    # forward per side.
     layers = model.config.num_hidden_layers
 
     def unmasked(rows: list[int]) -> list[tuple[int, bool]]:
-        if packed:  # layer by layer, each row in turn
-            return [(w, False) for w in rows] * layers
-        return [(w, False) for w in rows for _ in range(layers)]  # row by row, each layer in turn
+        return [(w, False) for w in rows] * layers
 
     assert [c for c in attention if not c[1]] == unmasked(mb.student_rows) + unmasked(mb.teacher_rows)
     assert len(attention) == 2 * layers + len(mb.student_rows + mb.teacher_rows) * layers
-    assert len(packs) == 2 * packed
+    assert len(packs) == 2
 
 
 def test_check_plain_head(tiny_tokenizer):
@@ -488,13 +487,13 @@ def test_merged_weights_of_column_major_weights_and_two_adapters_match_merge_and
     bit, to peft's merge_and_unload (exact: the same additions of the same deltas in adapter order)."""
     from peft import LoraConfig
 
-    from opsd.models import frozen_weights_for_cpu
+    from opsd.cpu.layout import frozen_weights
 
     lora = _lora(tiny_model)
     lora.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj", "o_proj"]))
     lora.base_model.set_adapter(["default", "second"])
     _randomize_lora_b(lora)
-    frozen_weights_for_cpu(lora)
+    frozen_weights(lora)
     v_proj = lora.base_model.model.model.layers[0].self_attn.v_proj
     assert v_proj.active_adapters == ["default", "second"] and not v_proj.base_layer.weight.is_contiguous()
     merged = dict(merged_weights(lora))
@@ -505,108 +504,18 @@ def test_merged_weights_of_column_major_weights_and_two_adapters_match_merge_and
         torch.testing.assert_close(merged[k], v, rtol=0, atol=0)
 
 
-def _peft_forward(model) -> None:
-    """Back to peft's own LoRA forward (what :func:`models.lean_lora_forward` replaced)."""
-    for mod in model.modules():
-        mod.__dict__.pop("forward", None)
-
-
-def _loss_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    logits = model(input_ids=ids).logits
-    (logits.square().mean() + logits[:, -1, 3].sum()).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), grads
-
-
-@pytest.mark.parametrize("alpha", [8, 6])  # r=4: scale 2, a power of two, and 1.5
-def test_lean_lora_forward_gives_peft_values(tiny_model, alpha):
-    """The scale on B's weight instead of the output: a power-of-two scale (alpha / r = 2) scales every
-    rounded value exactly, so logits and every gradient equal peft's bit for bit (float32); scale 1.5
-    rounds differently, so float64, where a few roundings of 2^-53 on O(1) values stay far below 1e-12."""
-    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
-    lora = _lora(tiny_model, alpha=alpha, target_modules=targets)
-    _randomize_lora_b(lora)
-    lean = [m for m in lora.modules() if "forward" in m.__dict__]
-    assert len(lean) == 4 * tiny_model.config.num_hidden_layers
-    peft = copy.deepcopy(lora)
-    _peft_forward(peft)
-    if alpha == 6:
-        lora.double()
-        peft.double()
-    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-    out, grads = _loss_and_grads(lora, ids)
-    ref, ref_grads = _loss_and_grads(peft, ids)
-    assert grads.keys() == ref_grads.keys() and all("lora_" in n for n in grads)
-    if alpha == 8:
-        assert torch.equal(out, ref)
-        assert all(torch.equal(g, ref_grads[n]) for n, g in grads.items())
-    else:
-        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
-        for n, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=1e-12, atol=1e-12)
-
-
-def test_lean_lora_forward_keeps_dropout_disable_and_merge(tiny_model):
-    """Dropout draws the same masks (one seed, the same calls in the same order); with the adapter
-    disabled the module is the base layer (the LoRA teacher); a merged adapter is not added twice."""
-    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        base = tiny_model(input_ids=ids).logits
-    lora = _lora(tiny_model, alpha=8, dropout=0.3)
-    _randomize_lora_b(lora)
-    peft = copy.deepcopy(lora)
-    _peft_forward(peft)
-    with torch.no_grad():
-        torch.manual_seed(5)
-        out = lora(input_ids=ids).logits
-        torch.manual_seed(5)
-        ref = peft(input_ids=ids).logits
-        assert torch.equal(out, ref) and not torch.equal(out, base)
-        with lora.disable_adapter():
-            assert torch.equal(lora(input_ids=ids).logits, base)
-        lora.eval()
-        peft.eval()
-        unmerged = lora(input_ids=ids).logits
-        lora.merge_adapter()
-        # float32: W + s B A rounds each weight once (2^-24 relative) and the products sum 64 terms
-        # in another order: ~1e-6 on these O(1) logits; an adapter added twice would move them by O(1).
-        torch.testing.assert_close(lora(input_ids=ids).logits, unmerged, rtol=1e-5, atol=1e-5)
-        assert torch.equal(unmerged, peft(input_ids=ids).logits)
-
-
-@pytest.mark.parametrize("kind", ["dora", "bias"])
-def test_lean_lora_forward_leaves_dora_and_biased_adapters_to_peft(tiny_model, kind):
-    """A DoRA adapter or one with a bias runs peft's own forward: the same logits as without the lean
-    forward, bit for bit (dropping the magnitude or the bias's scale would move them by O(0.1))."""
-    from peft import LoraConfig, get_peft_model
-
-    extra = {"use_dora": True} if kind == "dora" else {"lora_bias": True}
-    lora = get_peft_model(tiny_model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], **extra))
-    _randomize_lora_b(lora)
-    with torch.no_grad():
-        for n, p in lora.named_parameters():
-            if "lora_B" in n and n.endswith("bias"):
-                p.fill_(0.3)
-    peft = copy.deepcopy(lora)
-    assert models.lean_lora_forward(lora) == tiny_model.config.num_hidden_layers
-    ids = torch.randint(0, tiny_model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert torch.equal(lora(input_ids=ids).logits, peft(input_ids=ids).logits)
-
-
 @pytest.mark.parametrize("column_major", [False, True])
 def test_merged_weights_of_a_bf16_base_with_float32_adapters_match_peft(tiny_model, column_major):
     """LoRA's default on a bf16 model: float32 adapters. Each delta is rounded to bf16 and then added
     (what peft's safe merge computes: ``W + delta.to(W.dtype)``), bit for bit, in either layout."""
-    from opsd.models import frozen_weights_for_cpu
+    from opsd.cpu.layout import frozen_weights
 
     lora = _lora(tiny_model.to(torch.bfloat16), alpha=6, target_modules=["q_proj", "v_proj", "up_proj"])
     _randomize_lora_b(lora)
     v_proj = lora.base_model.model.model.layers[0].self_attn.v_proj
     assert v_proj.lora_B["default"].weight.dtype == torch.float32
     assert v_proj.base_layer.weight.dtype == torch.bfloat16
-    frozen_weights_for_cpu(lora, column_major=column_major)
+    frozen_weights(lora, column_major=column_major)
     assert v_proj.base_layer.weight.is_contiguous() != column_major
     merged = dict(merged_weights(lora))
     reference = lora.merge_and_unload(safe_merge=True).state_dict()
@@ -669,20 +578,21 @@ def test_microbatch_budget_beside_vllm_on_a_cpu(monkeypatch, tmp_path):
     the RAM comes from /proc/meminfo's MemAvailable (kB meaning KiB)."""
     from types import SimpleNamespace
 
+    import opsd.cpu.budget as budget
     import opsd.models as models_mod
-    from opsd.devices import available_ram
+    from opsd.cpu.budget import available_ram
 
     smol = SimpleNamespace(hidden_size=576, num_hidden_layers=30, intermediate_size=1536)
     cpu = torch.device("cpu")
     per_token = 30 * (8 * 576 + 5 * 1536) * 4
-    monkeypatch.setattr(models_mod, "available_ram", lambda: 64 << 30)
+    monkeypatch.setattr(budget, "available_ram", lambda: 64 << 30)
     tokens, why = models_mod.microbatch_budget("auto", smol, torch.float32, cpu, False, beside_vllm=True)
     assert tokens == (2 << 30) // per_token == 1456 and "2 GiB" in why and "vLLM" in why
-    monkeypatch.setattr(models_mod, "available_ram", lambda: 4 << 30)
+    monkeypatch.setattr(budget, "available_ram", lambda: 4 << 30)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks share it: 2 GiB each, a quarter of it
     tokens, why = models_mod.microbatch_budget("auto", smol, torch.float32, cpu, False, beside_vllm=True)
     assert tokens == (512 << 20) // per_token == 364 and "a quarter of the 2.0 GiB" in why
-    monkeypatch.setattr(models_mod, "available_ram", lambda: None)  # not known: the 2 GiB stands
+    monkeypatch.setattr(budget, "available_ram", lambda: None)  # not known: the 2 GiB stands
     assert models_mod.microbatch_budget("auto", smol, torch.float32, cpu, False, beside_vllm=True)[0] == 1456
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   1000 kB\n")

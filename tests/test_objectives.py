@@ -11,8 +11,9 @@ import torch
 from helpers import build_assets, make_cfg
 
 from opsd import Trainer
+from opsd.cpu import LOSS_CHUNK_ROWS_HF, LOSS_SLAB_ELEMENTS
 from opsd.loss import DistillSpec
-from opsd.objectives import FRUGAL_CHUNK_ROWS, GRPO, Distillation, Scores, loss_chunk_size, make_objective
+from opsd.objectives import GRPO, Distillation, Scores, make_objective
 
 
 @pytest.fixture(scope="module")
@@ -75,21 +76,20 @@ def test_distill_coef_zero_is_grpo_alone(assets, tmp_path):
     assert isinstance(objective, GRPO) and not objective.uses_teacher
     tr = Trainer(cfg)
     assert all(ex.solution == "" for ex in tr.examples)
-    # The tests' HF engine on a CPU: the frugal loss chunks reach the objective and its distillation.
-    assert tr.objective.chunk_size == tr.objective.distill.chunk_size == FRUGAL_CHUNK_ROWS
-    assert tr.heldout.chunk_size == FRUGAL_CHUNK_ROWS
+    # The tests' HF engine on a CPU: the CPU plan's loss chunks and slabs reach the objective, its
+    # distillation term and the held-out divergence.
+    assert tr.objective.chunk_size == tr.objective.distill.chunk_size == LOSS_CHUNK_ROWS_HF
+    assert tr.heldout.chunk_size == LOSS_CHUNK_ROWS_HF
+    assert tr.objective.distill.slab_elements == tr.heldout.slab_elements == LOSS_SLAB_ELEMENTS
 
 
-def test_loss_chunk_size_is_frugal_only_on_a_cpu_with_the_hf_engine():
-    """A set loss.chunk_size always wins; unset, 128 rows with the HF engine on a CPU, else the loss's own."""
-    cpu = torch.device("cpu")
-    cuda = torch.device("cuda")
-    assert loss_chunk_size(None, cpu, "hf") == FRUGAL_CHUNK_ROWS
-    assert loss_chunk_size(None, cpu, "vllm") is None
-    assert loss_chunk_size(None, cpu, "vllm_server") is None
-    assert loss_chunk_size(None, cuda, "hf") is None
-    assert loss_chunk_size(512, cpu, "hf") == 512
-    assert loss_chunk_size(64, cuda, "vllm") == 64
+def test_a_set_loss_chunk_size_wins_over_the_cpu_plan(assets, tmp_path):
+    """``loss.chunk_size`` set: the plan's 128 rows give way; ``cpu.tuning: off``: neither chunks nor
+    slabs of the plan (the loss's own 256-row choice, one slab per chunk)."""
+    tr = Trainer(make_cfg(assets, tmp_path / "set", **{"loss.chunk_size": 512}))
+    assert tr.objective.chunk_size == 512
+    off = Trainer(make_cfg(assets, tmp_path / "off", **{"cpu.tuning": "off"}))
+    assert off.objective.chunk_size is None and off.objective.slab_elements is None
 
 
 def test_mixed_objective_uses_the_configured_privileged_teacher(assets, tmp_path):

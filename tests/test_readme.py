@@ -41,6 +41,37 @@ def test_the_extractor_finds_the_train_block():
     assert any(c[0] == "eval" for c in cmds) and any(c[0] == "report" for c in cmds)
 
 
+def heading_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation dropped, spaces to -)."""
+    anchors = set()
+    for line in markdown.splitlines():
+        if m := re.match(r"#{1,6} (.*)", line):
+            text = re.sub(r"[^\w\- ]", "", m[1].strip().lower())
+            anchors.add(text.replace(" ", "-"))
+    return anchors
+
+
+def test_heading_anchors_follow_githubs_rule():
+    assert heading_anchors("## Soak: 1,000 steps with a resume\n") == {"soak-1000-steps-with-a-resume"}
+    memory = heading_anchors("### Train step memory (bench/step_memory.py)")
+    assert memory == {"train-step-memory-benchstep_memorypy"}
+
+
+def test_the_readmes_links_lead_somewhere():
+    """Every relative link of the README names a file of the repository, and its #anchor a heading there."""
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert any(link.startswith("docs/results.md#") for link in links)
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README links to {path}, which does not exist"
+        if anchor and target.suffix == ".md":
+            assert anchor in heading_anchors(target.read_text()), f"{path} has no heading for #{anchor}"
+
+
 @pytest.mark.slow
 def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
     home = tmp_path / "home"

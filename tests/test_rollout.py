@@ -50,7 +50,7 @@ def _teacher_forced_logprobs(model, prompt: list[int], resp: list[int], temperat
 
 def test_prompt_widths_in_buckets_change_no_token(tiny_model, tiny_tokenizer, prompts):
     """Where the CPU's bf16 attention keeps a kernel per length the engine left-pads prompts to a bucket
-    width (opsd.devices.bucket_widths); the extra padding is masked, so the completions are the same.
+    width (the CPU plan's bucket_widths); the extra padding is masked, so the completions are the same.
     In float64 (u = 1.1e-16) the log-probs agree to 1e-9: only the order of a few sums over masked-out
     zeros and differently blocked products differs, far under that."""
     model = tiny_model.double()
@@ -496,7 +496,7 @@ def test_weights_to_resend_keeps_adapted_layers_whole():
 
 
 def test_vllm_coverage_check_refuses_a_partial_sync(fake_vllm, monkeypatch, tiny_model, tiny_tokenizer):
-    import opsd.rollout as rollout
+    import opsd.rollout.vllm as rollout
 
     engine = vllm_engine(tiny_model, tiny_tokenizer)
     full = rollout.merged_weight_names

@@ -443,25 +443,27 @@ def test_forward_backward_is_the_step_loop_and_can_run_without_gradients(assets,
     assert float(loss_eval) == float(loss_train) and st_eval.means() == st_train.means()
 
 
-def test_cpu_trainer_runs_a_forward_per_row(assets, tmp_path):
-    """In one process on a CPU the trainer's micro-batches of unequal rows run a forward per row once
-    the rows are long enough for the model (:func:`opsd.devices.per_row_from`; the tiny model's rows
-    are not, so it is lowered here), computing no padding in float32, with the batched forward's loss:
-    hidden states that differ by the products' summation order (a few u32 = 6e-8 relative) move each
-    token's divergence, a difference of ~6-nat log-probabilities, by ~u32 * 6 * a few nats; the mean
-    over tokens by no more."""
+def test_cpu_trainer_packs_rows_into_one_forward(assets, tmp_path):
+    """In one process on a CPU the trainer's micro-batches of unequal rows run packed into one forward
+    once the rows are long enough for the model (:func:`opsd.cpu.packing.pack_from`; the tiny model's
+    rows are not, so it is lowered here), computing no padding in float32, with the batched forward's
+    loss: hidden states that differ by the products' summation order (a few u32 = 6e-8 relative) move
+    each token's divergence, a difference of ~6-nat log-probabilities, by ~u32 * 6 * a few nats; the
+    mean over tokens by no more."""
+    from dataclasses import replace
+
+    from opsd.cpu.packing import PACKED_SDPA, pack_from
     from opsd.data.batching import make_sample
-    from opsd.devices import per_row_from
     from opsd.models import non_embedding_params
 
     tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.min_real_token_frac": 0}))
-    assert tr.per_row_from == per_row_from(torch.device("cpu"), False, non_embedding_params(tr.model)) > 1000
-    assert models.base_model(tr.model).config._attn_implementation == models.PACKED_SDPA  # rows packed
+    assert tr.plan.pack_from == pack_from(non_embedding_params(tr.model)) > 1000
+    assert models.base_model(tr.model).config._attn_implementation == PACKED_SDPA  # rows packed
     lengths = (3, 11, 6)
     samples = [make_sample([5 + n] * n, [9] * (n + 4), [7, 8, 7], i, "stop") for i, n in enumerate(lengths)]
     (batched,) = tr.microbatches(samples)
     assert batched.student_rows is None and batched.teacher_rows is None  # the tiny model's short rows
-    tr.per_row_from = 6
+    tr.plan = replace(tr.plan, pack_from=6)
     (mb,) = tr.microbatches(samples)
     assert mb.student_rows == [6, 14, 9] and mb.teacher_rows == [10, 18, 13]
     assert mb.student_padded_tokens == mb.student_real_tokens < mb.student_ids.numel()
@@ -469,7 +471,7 @@ def test_cpu_trainer_runs_a_forward_per_row(assets, tmp_path):
     rows, _ = tr.forward_backward([mb], backward=False)
     batched_loss, _ = tr.forward_backward([batched], backward=False)
     assert float(rows) == pytest.approx(float(batched_loss), abs=1e-6)
-    tr.per_row_from = 7  # the shortest student row (6 tokens) is too short; the teacher's are not
+    tr.plan = replace(tr.plan, pack_from=7)  # the shortest student row (6 tokens) is too short
     (mb,) = tr.microbatches(samples)
     assert mb.student_rows is None and mb.teacher_rows == [10, 18, 13]
 
@@ -496,23 +498,26 @@ def test_logprob_check_reuses_the_loss_logits_when_the_temperatures_agree(assets
         ).train()
 
 
-def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, tmp_path, monkeypatch):
-    """On a CPU the trainer trims the C heap once generation is over (before the micro-batch loop reuses
-    it) and once after the step, and runs the micro-batch loop, and only it, with freed blocks reused:
-    the order of calls, not a memory figure, is what this can check."""
+@pytest.mark.parametrize("tuning", ["auto", "off"])
+def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, tmp_path, monkeypatch, tuning):
+    """On a glibc CPU the trainer trims the C heap once generation is over (before the micro-batch loop
+    reuses it) and once after the step, and with ``cpu.tune_malloc`` runs the micro-batch loop, and only
+    it, with freed blocks reused: the order of calls, not a memory figure, is what this can check.
+    ``cpu.tuning: off`` does none of it."""
+    from opsd.rollout import queue as rollout_queue
+
     calls = []
 
-    def trim(device) -> None:
-        calls.append(f"trim {device.type}")
-
     @contextlib.contextmanager
-    def reuse(device, keep_pages):
-        calls.append(f"reuse {device.type}{' keeping pages' if keep_pages else ''}")
+    def reuse(keep_pages):
+        calls.append(f"reuse{' keeping pages' if keep_pages else ''}")
         yield True
         calls.append("reuse ends")
 
-    monkeypatch.setattr(trainer_mod, "release_freed_memory", trim)
-    monkeypatch.setattr(trainer_mod, "reuse_freed_memory", reuse)
+    monkeypatch.setattr(trainer_mod, "trim_heap", lambda: calls.append("trim"))
+    monkeypatch.setattr(rollout_queue, "trim_heap", lambda: calls.append("trim"))
+    monkeypatch.setattr(trainer_mod, "reuse_freed_blocks", reuse)
+    monkeypatch.setattr("opsd.cpu.heap.glibc", lambda: object())  # as on glibc, whatever this machine is
     real_loop = trainer_mod.forward_backward
 
     def spy(*a, **kw):
@@ -520,6 +525,10 @@ def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, t
         return real_loop(*a, **kw)
 
     monkeypatch.setattr(trainer_mod, "forward_backward", spy)
-    tr = Trainer(make_cfg(assets, tmp_path / "run", **{"optim.max_steps": 2}))
+    over = {"optim.max_steps": 2, "cpu.tune_malloc": True, "cpu.tuning": tuning}
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
     tr.train()
-    assert calls == ["trim cpu", "reuse cpu", "micro-batches", "reuse ends", "trim cpu"] * 2
+    if tuning == "auto":
+        assert calls == ["trim", "reuse", "micro-batches", "reuse ends", "trim"] * 2
+    else:
+        assert calls == ["micro-batches"] * 2

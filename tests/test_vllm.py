@@ -156,7 +156,7 @@ def test_sleep_and_wake(engine, assets):
 
 
 def test_coverage_check_fails_loudly(engine, assets, base_model, monkeypatch):
-    import opsd.rollout as rollout
+    import opsd.rollout.vllm as rollout
 
     before = _greedy(engine, assets["prompts"])
     full = rollout.merged_weight_names
@@ -317,10 +317,11 @@ def test_torchrun_with_vllm_exits_cleanly(assets, tmp_path, lora):
     shutdown on both ranks)."""
     import os
     import subprocess
-    import sys
     from pathlib import Path
 
     import yaml
+
+    from opsd.distributed import torchrun_command
 
     rows = [
         {"problem": f"What is {a} + {b}?", "solution": f"{a} + {b} = {a + b}.", "answer": str(a + b)}
@@ -350,19 +351,7 @@ def test_torchrun_with_vllm_exits_cleanly(assets, tmp_path, lora):
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "opsd",
-        "train",
-        "--config",
-        str(path),
-    ]
+    cmd = torchrun_command(2, "-m", "opsd", "train", "--config", str(path))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     out = res.stdout + res.stderr

@@ -126,7 +126,7 @@ def response_positions(lengths: list[int], response_lens: list[int], width: int)
 def bucket_width(n: int) -> int:
     """``n`` rounded up to one of sixteen widths per doubling (steps of ``2**(ceil(log2 n) - 5)``):
     at most 6% wider (~2% on average), and ~16 distinct widths from ``L`` to ``2L``
-    (:func:`opsd.devices.bucket_widths` says where and why)."""
+    (the CPU plan, :class:`opsd.cpu.CpuPlan`, says where and why)."""
     step = 1 << max(0, (n - 1).bit_length() - 5)
     return -(-n // step) * step
 
@@ -195,7 +195,7 @@ def make_microbatches(
 
     Groups come from :func:`pack_microbatches` on max(student, teacher) length (``min_real_frac``: the
     least real-token fraction of a group with more than one sample), in its order; with ``bucket``
-    (:func:`opsd.devices.bucket_widths`) the lengths are rounded up to :func:`bucket_width` first, as
+    (the CPU plan's) the lengths are rounded up to :func:`bucket_width` first, as
     the padded widths are, so the budget bounds what is computed. ``per_row_from`` (a CPU:
     :func:`opsd.devices.per_row_from`): where a side's rows differ in width and the shortest has at
     least this many tokens, each row runs a forward of its own, unpadded (or padded to its own bucket

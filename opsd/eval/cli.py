@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -20,12 +21,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from opsd.config import DeviceSetting
+from opsd.cpu import apply_plan, default_plan
 from opsd.data import DEFAULT_INSTRUCTION, load_examples
 from opsd.devices import machine_info, resolve_device
 from opsd.errors import UserError
 from opsd.eval.loop import EvalResult, check_settings, evaluate_model
 from opsd.grading import GRADERS, Grader, grade
-from opsd.models import frozen_weights_for_cpu, load_model, load_tokenizer, resolve_model_path
+from opsd.models import load_model, load_tokenizer, resolve_model_path
 from opsd.precision import dtype_name
 from opsd.precision import resolve as resolve_precision
 
@@ -142,7 +144,8 @@ def evaluate(
     tokenizers = [load_tokenizer(m) for m in models]
     dev = resolve_device(device)
     # The trainer's resolver: auto is bf16 where the device has bf16 matrix units (OPSD_CPU_BF16 on a CPU).
-    dtype = dtype_name(resolve_precision(dtype or "auto", dev, full_finetune=False).compute)
+    compute = resolve_precision(dtype or "auto", dev, full_finetune=False).compute
+    dtype = dtype_name(compute)
 
     from opsd.config import RolloutConfig
     from opsd.engines import make_engine
@@ -151,8 +154,9 @@ def evaluate(
     for name, label, tok in zip(models, _labels(models), tokenizers, strict=True):
         # vLLM loads its own copy from the path; the HF copy on CPU only feeds the initial weight sync.
         hf_model = load_model(name, dtype=dtype, device="cpu" if engine == "vllm" else str(dev))
-        if engine == "hf" and dev.type == "cpu":  # nothing trains here: every weight in the fast layout
-            frozen_weights_for_cpu(hf_model.requires_grad_(False))
+        if engine == "hf":  # nothing trains here: the CPU plan lays every weight out for decoding
+            plan = replace(default_plan(dev, compute), pack_rows=False)
+            apply_plan(plan, hf_model.requires_grad_(False), params=0)
         # eval never sleeps; one engine per model, closed after it
         rollout = RolloutConfig(
             engine=engine, batch_size=batch_size, max_new_tokens=max_new_tokens, vllm_sleep_level=0

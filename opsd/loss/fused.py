@@ -374,17 +374,6 @@ def _slab(hi: Tensor, lo: Tensor | None, rows: slice, inv_t: float) -> Tensor:
     return hi[rows].float().add_(lo[rows]).mul_(inv_t)
 
 
-# Elements per slab, on a CPU: the chunk kernels take a few rows of a chunk's products at a time (64
-# at SmolLM2's vocabulary, 20 at Qwen3's), so the ~20 passes each makes over its [rows, V] blocks touch
-# 12 MB blocks instead of a 256-row chunk's 50 MB ones; the products still take the whole chunk, which
-# is what amortizes reading the [V, H] head. The loss's forward and backward over 1024 rows of
-# SmolLM2's head, with the trainer's heap reuse, on a 2-core AMX CPU: bf16 products 0.55-0.57 s
-# against 0.69-0.73 s in one slab per chunk, float32 0.91-0.96 against 0.98-1.01 (development readings,
-# docs/benchmarks.md, "The loss in slabs"). A GPU takes one slab per chunk: it streams the blocks
-# fast, and slabs would multiply its kernel launches (13 slabs a chunk at Qwen3's vocabulary).
-SLAB_ELEMENTS = 3 << 20
-
-
 def _chunk_loss(
     zs: Tensor,
     lo_s: Tensor | None,
@@ -398,6 +387,7 @@ def _chunk_loss(
     *,
     need_grad: bool,
     with_stats: bool,
+    slab_elements: int | None,
 ) -> tuple[Tensor, LossStats, Tensor]:
     """The mode's kernel over one chunk's products (:func:`_head_products`), a slab of rows at a time.
 
@@ -405,8 +395,9 @@ def _chunk_loss(
     Several slabs write their gradients over the student's products ``zs``, whose logits each slab has
     spent by then (on the bf16 path rounded to bf16, the dtype of the gradient's product), so the
     gradient takes no block of its own; a single slab in the compute dtype hands over its own block.
+    ``slab_elements``: :func:`fused_linear_distill`'s.
     """
-    slab = max(1, SLAB_ELEMENTS // zs.shape[1]) if zs.device.type == "cpu" else zs.shape[0]
+    slab = max(1, slab_elements // zs.shape[1]) if slab_elements else zs.shape[0]
     kernel = KERNELS[spec.mode]
     total = zs.new_zeros((), dtype=w.dtype)
     stats = LossStats()
@@ -440,6 +431,7 @@ def fused_linear_distill(
     spec: DistillSpec = DistillSpec(),
     *,
     chunk_size: int | None = None,
+    slab_elements: int | None = None,
     with_stats: bool = True,
     matmul_dtype: torch.dtype | None = None,
     target_logprobs: Tensor | None = None,
@@ -463,6 +455,11 @@ def fused_linear_distill(
     difference of two log-probabilities and loses more. ``tests/test_loss.py`` holds the bounds;
     docs/benchmarks.md has the measured errors.
     None (the default) keeps every product in the compute dtype.
+
+    ``slab_elements``: the kernels take a chunk's products this many elements (a few rows) at a time,
+    so their ~20 passes over each block touch a few MB instead of the whole ``[chunk, V]`` block (a
+    CPU's caches; the CPU plan sets it, docs/cpu.md "Loss slabs"); None: one slab per chunk (a GPU
+    streams the blocks fast, and slabs would multiply its kernel launches).
 
     ``target_logprobs``: an ``[N]`` tensor to fill with ``log softmax(z_s / T)[targets]`` (the full
     vocabulary, whatever ``spec.mode``) for every row with a non-zero weight, from the student logits
@@ -513,7 +510,7 @@ def fused_linear_distill(
         w = w_all.index_select(0, idx)
         y = targets.index_select(0, idx) if targets is not None else None
         lp = zs.new_empty(c, dtype=dtype) if target_logprobs is not None else None
-        kw = dict(need_grad=need_grad, with_stats=with_stats)
+        kw = dict(need_grad=need_grad, with_stats=with_stats, slab_elements=slab_elements)
         loss, st, gz = _chunk_loss(zs, lo_s, zt, lo_t, y, w, lp, spec, inv_t, **kw)
         del zs, zt, lo_s, lo_t
         if lp is not None:

@@ -4,11 +4,11 @@ The bench/train_step.py setting (SmolLM2-135M-Instruct, LoRA r=16, 8 MATH prompt
 fp32). One warm-up step, then one profiled step. Reports the step's phases, the operators with the
 most self CPU time, the matrix products' achieved GFLOP/s (the profiler's FLOP counts), and this
 machine's matrix-product rate at SmolLM2's shapes in float32 and bfloat16, which is the bound: the
-step is made of those products. Writes the "Step profile (bench/profile_step.py)" section of
-docs/benchmarks.md. Run it alone (it waits for the 1-minute load average to fall below 0.5).
+step is made of those products. Writes the "Step profile (bench/cpu/profile_step.py)" section of
+docs/results.md. Run it alone (it waits for the 1-minute load average to fall below 0.5).
 
-    python bench/profile_step.py
-    python bench/profile_step.py model.dtype=bfloat16 --no-write
+    python bench/cpu/profile_step.py
+    python bench/cpu/profile_step.py model.dtype=bfloat16 --no-write
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ from __future__ import annotations
 import argparse
 import math
 import resource
+import sys
 from pathlib import Path
 
-import _common
-import torch
-from _md import write_section
-from torch.profiler import ProfilerActivity, profile
-from train_step import MATH, ROOT, bench_config
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/: the shared bench modules
+
+import _common  # noqa: E402
+import torch  # noqa: E402
+from _md import write_section  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from train_step import MATH, ROOT, bench_config  # noqa: E402
 
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
@@ -30,7 +33,7 @@ MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=MATH)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("overrides", nargs="*", help="extra config overrides")
@@ -54,7 +57,7 @@ def main() -> None:
     outside = rec["time_step"] - rec["time_rollout"]
     lines = [
         f"Machine: {_common.describe_machine()}. Load average (1/5/15 min) before {before}, after {after}. "
-        f"`{' '.join(['python bench/profile_step.py', *args.overrides])}`.",
+        f"`{' '.join(['python bench/cpu/profile_step.py', *args.overrides])}`.",
         "",
         f"One profiled step after one warm-up step, bench/train_step.py's setting ({cfg.model.dtype}). "
         f"Step {rec['time_step']:.1f} s for {rec['tokens']} completion tokens: "
@@ -82,7 +85,7 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
-        write_section(args.out, "Step profile (bench/profile_step.py)", body)
+        write_section(args.out, "Step profile (bench/cpu/profile_step.py)", body)
         print(f"wrote {args.out}")
 
 

@@ -1,23 +1,25 @@
 """The HF rollout engine as training runs it: tokens/s at batch 8 and 32, and where a decode step goes.
 
 SmolLM2-135M-Instruct with LoRA r=16 alpha=32 on q/k/v/o/gate/up/down, loaded the way the trainer
-loads it (base weights frozen, and on a CPU laid out by ``frozen_weights_for_cpu`` where the opsd
+loads it (base weights frozen, and on a CPU laid out by the CPU plan's frozen layout where the opsd
 being measured has it), MATH train prompts 8 onwards through the chat template, exactly
 ``--new-tokens`` new tokens per sample (``min_new_tokens``) at T=1.1, one ``generate`` call per batch
 after a warm-up call. Two profiled generates at batch 8 (48 and 16 tokens) give the top
 operators of one decode step.
 
 ``--before REV`` first measures the opsd of git revision REV (a temporary worktree) the same way,
-in its own process, so the section holds before and after from one sitting. Each measurement runs in
+in its own process, so the section holds before and after from one run. Each measurement runs in
 a fresh process, after waiting for the 1-minute load average to drop below 0.5.
 
-    python bench/hf_engine.py --before 4de4aab          # writes docs/benchmarks.md
-    python bench/hf_engine.py --smoke                   # 2 prompts, 8 tokens; writes nothing
+    python bench/cpu/hf_engine.py --before 4de4aab          # writes docs/results.md
+    python bench/cpu/hf_engine.py --smoke                   # 2 prompts, 8 tokens; writes nothing
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,12 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common
-from _md import write_section
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/: the shared bench modules
+
+import _common  # noqa: E402
+from _md import write_section  # noqa: E402
 
 ROOT = _common.ROOT
 MATH = ROOT.parent / "shared" / "data" / "math_train.jsonl"
-SECTION = "HF engine (bench/hf_engine.py)"
+SECTION = "HF engine (bench/cpu/hf_engine.py)"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TEMPERATURE = 1.1
 LOAD_LIMIT = 0.5
@@ -45,7 +49,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--smoke", action="store_true", help="2 prompts, 8 tokens; writes nothing")
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -125,6 +129,8 @@ def _measure(
 ) -> dict:
     """Runs in the child: the engine of the opsd checkout at ``root``."""
     sys.path.insert(0, root)
+    for name in [m for m in sys.modules if m == "opsd" or m.startswith("opsd.")]:
+        del sys.modules[name]  # _common imported this checkout's opsd; measure root's
     import torch
 
     import opsd
@@ -137,7 +143,12 @@ def _measure(
     net = models.load_model(model, dtype=getattr(torch, dtype), attn_implementation="sdpa", device="cpu")
     lora = dict(r=16, alpha=32, dropout=0.0, target_modules=LORA_TARGETS, gradient_checkpointing=False)
     net = models.apply_lora(net, **lora)
-    layout = getattr(models, "frozen_weights_for_cpu", None)
+    # The revision being measured: the CPU plan's layout (opsd.cpu.layout), or models' older home.
+    layout = (
+        getattr(importlib.import_module("opsd.cpu.layout"), "frozen_weights", None)
+        if importlib.util.find_spec("opsd.cpu")
+        else getattr(models, "frozen_weights_for_cpu", None)
+    )
     moved = layout(net) if layout else 0
     rows = [json.loads(x) for x in MATH.read_text().splitlines()[8 : 8 + max(batch_sizes)]]
     prompts = [student_prompt_ids(tok, r["problem"], max_len=1024)[0] for r in rows]

@@ -7,8 +7,8 @@ same work (8 student rows of SmolLM2-135M-Instruct with LoRA r=16 on all seven p
 tokens each, the last 128 as response positions, forward to the final hidden states and backward)
 at 1 and at 8 rows per micro-batch, under:
 
-* ``passive``: ``OMP_WAIT_POLICY=PASSIVE``, no spinning (the benchmarks' rule, and ``opsd``'s
-  command line's default): a thread sleeps at the end of each region and the next one wakes it;
+* ``passive``: ``OMP_WAIT_POLICY=PASSIVE``, no spinning (the benchmarks' rule): a thread
+  sleeps at the end of each region and the next one wakes it;
 * ``short-spin``: ``OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=1000``: about 1,000 pauses, then sleep;
 * ``default``: neither set (libgomp spins ~300,000 times before it sleeps).
 
@@ -17,8 +17,8 @@ the load and the float32 product rate are read before and after. It also counts 
 pass dispatches (an untimed pass under a dispatch counter). Here the policy is a variable, so the
 rule's ``PASSIVE`` is not forced on the other two.
 
-    python bench/omp_wait.py --wait-idle          # writes docs/benchmarks.md
-    python bench/omp_wait.py --smoke              # 2 rows of 32 tokens, 1 repeat; writes nothing
+    python bench/cpu/omp_wait.py --wait-idle          # writes docs/results.md
+    python bench/cpu/omp_wait.py --smoke              # 2 rows of 32 tokens, 1 repeat; writes nothing
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-import _common
-from _md import write_section
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/: the shared bench modules
 
-SECTION = "OpenMP waiting and the student pass (bench/omp_wait.py)"
+import _common  # noqa: E402
+from _md import write_section  # noqa: E402
+
+SECTION = "OpenMP waiting and the student pass (bench/cpu/omp_wait.py)"
 LOAD_LIMIT = 0.5
 POLICIES = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -55,7 +57,7 @@ def main() -> None:
     ap.add_argument("--wait-idle", action="store_true")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--out", type=Path, default=_common.ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--out", type=Path, default=_common.ROOT / "docs" / "results.md")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # rows per micro-batch
     ap.add_argument("--policy", choices=POLICIES, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -113,13 +115,14 @@ def _child(rows: int, per_mb: int, seq_len: int, response: int, repeats: int) ->
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from opsd import models
+    from opsd.cpu.layout import frozen_weights
 
     rate_before = _common.matmul_rate(torch.float32)
     model = models.load_model("smollm2-135m-instruct")
     model = models.apply_lora(
         model, r=16, alpha=32, dropout=0.0, target_modules=LORA_TARGETS, gradient_checkpointing=False
     )
-    models.frozen_weights_for_cpu(model)
+    frozen_weights(model)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (rows, seq_len), generator=gen)
     mask = torch.ones_like(ids)

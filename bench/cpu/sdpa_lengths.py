@@ -5,12 +5,12 @@ sequence length and keeps it for the life of the process; float32 keeps none. Th
 causal attention at SmolLM2-135M's shape (9 query heads, 3 key/value heads, head size 64, 2 rows)
 over a range of lengths, every length once and then again, and prints the process's resident set
 after each pass: all lengths from 100 on, then only the bucket widths among them (what opsd pads to
-on a CPU in bf16: ``opsd.data.batching.bucket_width``, ``opsd.devices.bucket_widths``), each in a
+on a CPU in bf16: ``opsd.data.batching.bucket_width``, ``opsd.cpu.CpuPlan.bucket_widths``), each in a
 fresh process. Memory does not depend on the
 machine's load; the times are not results.
 
-    python bench/sdpa_lengths.py                       # bf16 and float32, forward only
-    python bench/sdpa_lengths.py --backward            # forward and backward
+    python bench/cpu/sdpa_lengths.py                       # bf16 and float32, forward only
+    python bench/cpu/sdpa_lengths.py --backward            # forward and backward
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
-import _common
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/: the shared bench modules
+
+import _common  # noqa: E402
 
 
 def child(dtype_name: str, which: str, top: int, backward: bool) -> None:

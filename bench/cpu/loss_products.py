@@ -1,11 +1,11 @@
 """The fused loss's logit products on this CPU: float32 products against bf16 ones, error and speed.
 
-Issue 22 asks for the loss's product rule measured on a CPU with bf16 units: bf16 inputs with a
-float32 output from one product, against ``_logits_bf16``'s two bf16 products, both against the
-float64 oracle. torch 2.13 has no CPU kernel for a bf16 product with a float32 output
-(``torch.mm(..., out_dtype=torch.float32)``: "aten::mm.dtype" is CUDA-only; the script probes it and
-says). Its values are what a float32 product of the same bf16 inputs computes (bf16 -> float32 is
-exact and both accumulate in float32), so that is the one-product row here, at float32 speed:
+The loss's product rule on a CPU with bf16 units: bf16 inputs with a float32 output from one
+product, against ``_logits_bf16``'s two bf16 products, both against the float64 oracle. torch 2.13
+has no CPU kernel for a bf16 product with a float32 output
+(``torch.mm(..., out_dtype=torch.float32)``: "aten::mm.dtype" is CUDA-only; the script probes it
+and says). Its values are what a float32 product of the same bf16 inputs computes (bf16 -> float32
+is exact and both accumulate in float32), so that is the one-product row here, at float32 speed:
 
 * ``float32``: ``matmul_dtype=None``; bf16 hidden states and head upcast, float32 products;
 * ``bf16 x2``: ``matmul_dtype=torch.bfloat16`` (what ``opsd.precision.loss_matmul_dtype`` picks for
@@ -20,8 +20,8 @@ student's hidden states are a float32 leaf holding bf16 values, so the kernel's 
 before a bf16 model would round it to bf16, 2^-9). Time: the
 median of 3 runs. Also the product rate of one logit block's product in float32 and bf16.
 
-    python bench/loss_products.py --wait-idle          # writes docs/benchmarks.md
-    python bench/loss_products.py --quick --no-write   # SmolLM2 shape only, 1 run
+    python bench/cpu/loss_products.py --wait-idle          # writes docs/results.md
+    python bench/cpu/loss_products.py --quick --no-write   # SmolLM2 shape only, 1 run
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ import sys
 import time
 from pathlib import Path
 
-import _common
-import torch
-from _md import write_section
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # bench/: the shared bench modules
 
-from opsd.loss import DistillSpec, distill_loss_dense, fused_linear_distill
-from opsd.loss import fused as fused_module
-from opsd.loss.fused import auto_chunk_size
+import _common  # noqa: E402
+import torch  # noqa: E402
+from _md import write_section  # noqa: E402
 
-SECTION = "Loss products on this CPU (bench/loss_products.py)"
+from opsd.loss import DistillSpec, distill_loss_dense, fused_linear_distill  # noqa: E402
+from opsd.loss import fused as fused_module  # noqa: E402
+from opsd.loss.fused import auto_chunk_size  # noqa: E402
+
+SECTION = "Loss products on this CPU (bench/cpu/loss_products.py)"
 SHAPES = {"SmolLM2-135M": (576, 49152, 1024), "Qwen3-1.7B": (2048, 151936, 256)}  # H, V, rows
 SPEC = DistillSpec(beta=0.0, temperature=1.1, clip_mode="entry", clip=0.05)
 # The clip is a step in the gradient: an entry within rounding of 0.05 is kept by one product and cut by
@@ -150,7 +152,7 @@ def render(rows: list[dict], rates: dict, probe: str, before: str, after: str, m
     lines = [
         f"Machine: {machine}. Load average (1/5/15 min) before {before}, after {after}.",
         "",
-        f"`python bench/loss_products.py`: forward + backward of `fused_linear_distill` on bf16 inputs, "
+        f"`python bench/cpu/loss_products.py`: forward + backward of `fused_linear_distill` on bf16 inputs, "
         f"frozen head (LoRA), forward KL, T={SPEC.temperature}, per-entry clip {SPEC.clip}; error against "
         "float64 autograd on the same bf16 values; time the median of the runs shown. `float32`: the "
         "inputs upcast, float32 products (the values one bf16-in/float32-out product gives); `bf16 x2`: "
@@ -186,7 +188,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="SmolLM2 shape only, 1 run each")
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument("--wait-idle", action="store_true", help="wait for a 1-minute load below 0.5 first")
-    ap.add_argument("--out", type=Path, default=_common.ROOT / "docs" / "benchmarks.md")
+    ap.add_argument("--out", type=Path, default=_common.ROOT / "docs" / "results.md")
     args = ap.parse_args()
     if args.wait_idle:
         _common.wait_for_idle()

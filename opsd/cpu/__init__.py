@@ -1,0 +1,164 @@
+"""Every CPU-only speed and memory mechanism, decided in one place and applied from one place.
+
+:func:`resolve_plan` turns the ``cpu`` config section, the device, the compute dtype, the engine and
+the parallelism into a :class:`CpuPlan`; the trainer prints it at start (``cpu plan: ...``), saves it
+in the run directory (``cpu_plan.json``) and hands each part to the code it tunes. On a GPU the plan
+is empty; ``cpu.tuning: off`` makes it empty on a CPU too (the plain path: transformers + peft + the
+fused loss). docs/cpu.md has one row per mechanism: what it does, its gate, its switch, its effect.
+
+Light on purpose (no torch at module level): the test configuration imports :mod:`opsd.cpu.openmp`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+LOSS_CHUNK_ROWS_HF = 128  # the loss's rows per chunk on a CPU with the HF engine
+LOSS_SLAB_ELEMENTS = 3 << 20  # elements of a chunk's products the loss kernels take at a time on a CPU
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """What runs on this CPU; the defaults are the plain path (and a GPU's plan)."""
+
+    frozen_layout: str | None = None  # "column-major" (decoding here) | "copied" (beside vLLM) | None
+    pack_rows: bool = False  # a micro-batch's rows packed into one forward (attention opsd_sdpa)
+    pack_from: int | None = None  # ... those at least this long (set by apply_plan from the model's size)
+    bucket_widths: bool = False  # padded widths rounded to buckets (bf16 attention's kernel cache)
+    loss_chunk_rows: int | None = None  # the loss's rows per chunk where loss.chunk_size is unset
+    loss_slab_elements: int | None = None  # elements of a chunk's products per kernel call
+    trim_heap: bool = False  # malloc_trim after generation and after each step
+    tune_malloc: bool = False  # mallopt around the micro-batch loop (opt-in: process-wide)
+    keep_pages: bool = False  # with tune_malloc: the heap never trims itself after the loop
+    static_cache: bool = False  # the HF engine decodes into a preallocated cache
+    fold_lora_bytes: int = 0  # the HF engine folds LoRA into weight copies up to this size
+    notes: tuple[str, ...] = field(default=())  # why something is off that auto would turn on
+
+    @property
+    def empty(self) -> bool:
+        return self == CpuPlan(notes=self.notes)
+
+    def describe(self) -> str:
+        """The plan as one startup line."""
+        if self.empty:
+            return "none" + (f" ({'; '.join(self.notes)})" if self.notes else "")
+        parts = []
+        if self.frozen_layout:
+            parts.append(f"frozen weights {self.frozen_layout}")
+        if self.pack_rows:
+            least = f" of >= {self.pack_from} tokens" if self.pack_from else ""
+            parts.append(f"rows{least} packed into one forward (attention opsd_sdpa)")
+        if self.bucket_widths:
+            parts.append("widths in buckets")
+        if self.loss_chunk_rows:
+            parts.append(f"loss chunks of {self.loss_chunk_rows} rows")
+        if self.loss_slab_elements:
+            parts.append(f"loss slabs of {self.loss_slab_elements} elements")
+        if self.trim_heap:
+            parts.append("heap trimmed between steps")
+        if self.tune_malloc:
+            parts.append("malloc tuned in the micro-batch loop" + (", pages kept" if self.keep_pages else ""))
+        if self.static_cache:
+            parts.append("static KV cache")
+        if self.fold_lora_bytes:
+            parts.append(f"LoRA folded while decoding (up to {self.fold_lora_bytes >> 20} MiB)")
+        return "; ".join(parts + list(self.notes))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"notes": list(self.notes)}
+
+
+def resolve_plan(
+    settings: Any,
+    device: torch.device,
+    compute_dtype: torch.dtype | None,
+    *,
+    engine: str = "hf",
+    sharded: bool = False,
+    compiled: bool = False,
+) -> CpuPlan:
+    """The plan for this run. ``settings``: the ``cpu`` config section (:class:`opsd.config.CpuTuning`);
+    ``engine``: the rollout engine that runs ("hf", "vllm", "vllm_server"); ``sharded``: under
+    torchrun; ``compiled``: ``model.compile`` (compiled layers keep batched forwards). ``cpu.tune_malloc:
+    null`` is off here: the ``opsd`` command sets it true where the user set no ``MALLOC_*``
+    variable (it owns its process)."""
+    import torch
+
+    from opsd.cpu.budget import ACTIVATION_BUDGET
+    from opsd.cpu.heap import glibc, user_malloc_settings
+
+    if device.type != "cpu":
+        return CpuPlan()
+    if settings.tuning == "off":
+        return CpuPlan(notes=("cpu.tuning=off",))
+    notes = []
+    hf = engine == "hf"
+    beside_vllm = engine == "vllm"
+    half = compute_dtype in (torch.bfloat16, torch.float16)
+    on_glibc = glibc() is not None
+    malloc = bool(settings.tune_malloc)
+    if malloc and user_malloc_settings():
+        malloc = False
+        notes.append("malloc left as MALLOC_*/GLIBC_TUNABLES set it")
+    pack = settings.pack_rows and not sharded and not compiled
+    if settings.pack_rows and compiled:
+        notes.append("model.compile: rows batched")
+    layout = None
+    if settings.frozen_layout and not sharded:
+        layout = "column-major" if hf else "copied"
+    return CpuPlan(
+        frozen_layout=layout,
+        pack_rows=pack,
+        bucket_widths=settings.bucket_widths and half,
+        loss_chunk_rows=LOSS_CHUNK_ROWS_HF if hf else None,
+        loss_slab_elements=LOSS_SLAB_ELEMENTS,
+        trim_heap=settings.trim_heap and on_glibc and not beside_vllm,
+        tune_malloc=malloc and on_glibc,
+        keep_pages=malloc and on_glibc and beside_vllm,
+        static_cache=hf,
+        fold_lora_bytes=ACTIVATION_BUDGET if hf else 0,  # within the activations' budget, free while decoding
+        notes=tuple(notes),
+    )
+
+
+def default_plan(device: torch.device, compute_dtype: torch.dtype | None) -> CpuPlan:
+    """The plan at the ``cpu`` section's defaults for one process decoding with the HF engine: what
+    ``opsd eval``, ``opsd sft`` and an engine built outside a trainer run."""
+    try:
+        from opsd.config import CpuTuning
+
+        settings = CpuTuning()
+    except ImportError:  # TEMPORARY
+        from types import SimpleNamespace
+
+        settings = SimpleNamespace(
+            tuning="auto",
+            pack_rows=True,
+            bucket_widths=True,
+            frozen_layout=True,
+            trim_heap=True,
+            tune_malloc=None,
+        )
+    return resolve_plan(settings, device, compute_dtype, engine="hf")
+
+
+def apply_plan(plan: CpuPlan, *models: nn.Module | None, params: int) -> CpuPlan:
+    """The plan's model transforms: frozen weights' layout, then packed attention. Returns the plan as
+    applied: the shortest row that runs packed, sized from ``params`` (the student's non-embedding
+    parameters); rows batched where no model could switch to packed attention (one attending with
+    something other than ``sdpa``, or a transformers without an attention registry)."""
+    from opsd.cpu.layout import frozen_weights
+    from opsd.cpu.packing import pack_from, pack_rows
+
+    if plan.frozen_layout is not None:
+        frozen_weights(*models, column_major=plan.frozen_layout == "column-major")
+    if not plan.pack_rows:
+        return plan
+    if pack_rows(*models) == 0:
+        return replace(plan, pack_rows=False, notes=(*plan.notes, "attention is not sdpa: rows batched"))
+    return replace(plan, pack_from=pack_from(params))

@@ -1,0 +1,53 @@
+"""The held-out divergence: the distillation loss the current student would have on problems it never
+trains on. Where accuracy is near zero, this is the number that moves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from opsd.data import Example, make_sample
+from opsd.distributed import all_reduce_sum
+from opsd.loss import LossStats
+from opsd.microbatch import forward_backward
+from opsd.teacher import Teacher
+
+
+@torch.no_grad()
+def heldout_divergence(
+    model: nn.Module,
+    teacher: Teacher,
+    examples: list[Example],
+    prompts: Callable,
+    generate: Callable,
+    microbatches: Callable,
+    loss_fn: Callable,
+    *,
+    autocast: Callable,
+    rank: int,
+    world: int,
+) -> dict:
+    """One sampled response per held-out problem (``generate(prompts, n=1)``: the rollout's settings,
+    one seed for every evaluation), scored by the teacher with the held-out solutions as a training
+    step scores it (``microbatches``, ``loss_fn``), with no gradient and the model in eval mode (no
+    dropout in a metric, no draws from the training RNG). Collective: every rank scores its share."""
+    training = model.training
+    model.eval()
+    try:
+        mine = list(range(rank, len(examples), world))
+        pairs = [prompts(i, examples[i]) for i in mine]
+        completions = generate([student for student, _ in pairs])
+        samples = [
+            make_sample(*pairs[c.prompt_index], c.token_ids, mine[c.prompt_index], c.finish_reason)
+            for c in completions
+            if c.token_ids
+        ]
+        loss_sum, stats = forward_backward(
+            model, teacher, microbatches(samples), loss_fn, autocast=autocast, backward=False
+        )
+    finally:
+        model.train(training)
+    total = LossStats.from_tensor(all_reduce_sum(stats.as_tensor()))
+    return {"loss": float(all_reduce_sum(loss_sum)), **total.means()}

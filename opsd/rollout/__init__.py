@@ -1,0 +1,33 @@
+"""On-policy rollout engines: prompts as token ids in, sampled responses with log-probs out.
+
+Both engines implement :class:`RolloutEngine` (``opsd.rollout.base``); :func:`opsd.engines.make_engine`
+builds one from the run config.
+HFEngine (``opsd.rollout.hf``) runs anywhere (CPU or GPU) on the trainer's own model object, so weight
+sync is free.
+VLLMEngine (``opsd.rollout.vllm``, optional `vllm` extra, pinned to one vLLM version) runs a colocated,
+in-process vllm.LLM per trainer rank that sleeps while the trainer trains and reloads the trainer's
+weights after each optimizer step.
+"""
+
+from opsd.rollout.base import Completion, EngineError, RolloutEngine, SamplingParams
+from opsd.rollout.hf import HFEngine
+from opsd.rollout.vllm import (
+    VLLM_VERSION,
+    VLLMEngine,
+    check_weight_coverage,
+    cpu_kv_cache_bytes,
+    weights_to_resend,
+)
+
+__all__ = [
+    "VLLM_VERSION",
+    "Completion",
+    "EngineError",
+    "HFEngine",
+    "RolloutEngine",
+    "SamplingParams",
+    "VLLMEngine",
+    "check_weight_coverage",
+    "cpu_kv_cache_bytes",
+    "weights_to_resend",
+]

@@ -1,0 +1,97 @@
+"""The rollout engine contract: prompts as token ids in, sampled responses with log-probs out.
+
+Every engine implements :class:`RolloutEngine`; :func:`opsd.engines.make_engine` builds one from the
+run config. The helpers here are shared by the in-process engines and the HTTP client of
+``opsd.vllm_server``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from opsd.errors import TrainingError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the tokenizer's eos
+    stop_strings: list[str] = field(default_factory=list)
+    seed: int | None = None  # None: fresh OS entropy; the global torch RNG is never touched either way
+    min_new_tokens: int = 0  # stop tokens are masked out before this many tokens (benchmarks)
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens={self.min_new_tokens} must be in [0, max_new_tokens]")
+        if any(not s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+
+
+@dataclass
+class Completion:
+    prompt_index: int  # index into the prompts list given to generate()
+    token_ids: list[int]  # response tokens; includes the stop token when finish_reason == "stop"
+    # Log-prob of each token under the distribution it was sampled from (after temperature, top-k,
+    # top-p), same length as token_ids; None when the engine does not report them.
+    logprobs: list[float] | None
+    finish_reason: str  # "stop" | "length"
+
+
+class EngineError(TrainingError):
+    """A rollout engine outside this process failed mid-run (a server down, timing out or answering
+    with an error); the trainer names the last good checkpoint to resume from."""
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer and `opsd eval` need from a rollout engine.
+
+    generate() returns len(prompts) * n completions, prompt-major, deterministic given params.seed.
+    sync_weights() makes later generate() calls use the model's current weights. sleep() may free
+    the engine's memory while the trainer trains and wake() takes it back; generate() wakes a
+    sleeping engine itself. close() releases everything; the engine is unusable afterwards.
+    """
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]: ...
+
+    def sync_weights(self, model) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _check_prompts(prompts: list[list[int]], n: int, vocab_size: int | None) -> None:
+    if n < 1:
+        raise ValueError(f"n={n} must be >= 1")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if vocab_size is not None and (min(p) < 0 or max(p) >= vocab_size):
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {vocab_size}): min {min(p)}, max {max(p)}"
+            )
+
+
+def _stop_ids(tokenizer, model, extra: list[int]) -> list[int]:
+    """eos from the tokenizer and the model's generation config (chat models often have several)."""
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for x in [tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos]), *extra]:
+        if x is not None and int(x) not in ids:
+            ids.append(int(x))
+    return ids

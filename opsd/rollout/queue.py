@@ -1,0 +1,159 @@
+"""What each step trains on: the problems drawn, their responses, and the batch requested ahead.
+
+With ``rollout.overlap`` the next step's responses are requested before this step trains, so the
+servers sample them meanwhile; they are collected before the weights move (one step of policy lag)
+and saved with a checkpoint, so a resume trains on what the run would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from opsd import distributed
+from opsd.cpu.heap import trim_heap
+from opsd.rollout.base import Completion, EngineError, RolloutEngine, SamplingParams
+
+
+@dataclass
+class Pending:
+    """Rollouts requested one step ahead: the problems, and the engine's handle until collected."""
+
+    example_indices: list[int]
+    prompts: list[tuple[list[int], list[int]]]
+    handle: Any = None
+    completions: list[Completion] | None = None
+
+
+class RolloutQueue:
+    """Draws each step's problems from ``cursor``, builds their prompt pairs with ``prompts`` and asks
+    ``engine`` for ``rollout.n`` responses each, seeded by step and rank; ``trim_heap``: the CPU plan's
+    (generation's freed buffers back to the OS before the micro-batch loop)."""
+
+    def __init__(
+        self,
+        rollout,
+        engine: RolloutEngine,
+        *,
+        cursor,
+        prompts: Callable,
+        examples: list,
+        per_rank: int,
+        seed: int,
+        rank: int,
+        max_steps: int,
+        trim_heap: bool = False,
+    ) -> None:
+        self.cfg = rollout
+        self.engine = engine
+        self.cursor = cursor
+        self.prompts = prompts
+        self.examples = examples
+        self.per_rank = per_rank
+        self.seed = seed
+        self.rank = rank
+        self.max_steps = max_steps
+        self.trim_heap = trim_heap
+        self.pending: Pending | None = None  # rollout.overlap: the next step's rollouts, in flight
+
+    def next(self, step: int, timer) -> tuple[list[int], list, list[Completion], float]:
+        """``step``'s problems (example indices and prompt pairs), their responses, and the responses'
+        policy lag (optimizer steps between the weights that sampled them and the ones they train)."""
+        # (A batch restored from an overlapping run's checkpoint is used even with overlap off.)
+        if not self.cfg.overlap and self.pending is None:
+            ex_idx, prompts = self.draw()
+            with timer("rollout"):
+                completions = self.call(lambda: self.generate([s for s, _ in prompts], step=step))
+            return ex_idx, prompts, completions, 0.0
+        pending, lag = self.pending, 1.0
+        if pending is None:  # the first step, or a resume without one: nothing was requested ahead
+            pending, lag = self.request(step), 0.0
+        with timer("rollout"):
+            completions = self.call(lambda: self.collect(pending))
+        ahead = self.cfg.overlap and step + 1 < self.max_steps
+        self.pending = self.request(step + 1) if ahead else None
+        return pending.example_indices, pending.prompts, completions, lag
+
+    def call(self, fn: Callable):
+        """``fn()`` on every rank, agreeing on its outcome: an engine failing on one rank (a server
+        down) stops every rank with its message, not only that one while the others wait."""
+        try:
+            result, err = fn(), None
+        except EngineError as e:
+            result, err = None, e
+        found = distributed.first_error(err)
+        if found is not None:
+            raise err if err is not None else EngineError(f"rank {found[0]}: {found[1]}")
+        return result
+
+    def draw(self) -> tuple[list[int], list]:
+        ex_idx = self.cursor.next_indices(self.per_rank)
+        return ex_idx, [self.prompts(i, self.examples[i]) for i in ex_idx]
+
+    def request(self, step: int) -> Pending:
+        """Draw ``step``'s problems and ask the engine for their responses without waiting."""
+        ex_idx, prompts = self.draw()
+        handle = self.engine.submit([s for s, _ in prompts], self.cfg.n, self.sampling(step))
+        return Pending(ex_idx, prompts, handle)
+
+    def collect(self, pending: Pending) -> list[Completion]:
+        if pending.completions is None:
+            pending.completions = self.engine.collect(pending.handle)
+            pending.handle = None
+        return pending.completions
+
+    def settle(self) -> None:
+        """Every rollout requested ahead is sampled before the weights move."""
+        if self.pending is not None:
+            pending = self.pending
+            self.call(lambda: self.collect(pending))
+
+    def generate(self, prompts: list[list[int]], *, step: int, n: int | None = None) -> list[Completion]:
+        """``rollout.n`` (or ``n``) responses per prompt, seeded by ``step`` and rank: a resume samples
+        what a run would have."""
+        self.engine.wake()
+        completions = self.engine.generate(prompts, n or self.cfg.n, self.sampling(step))
+        self.engine.sleep()
+        # Generation's freed buffers (its cache, the folded LoRA copies) back to the OS before the
+        # micro-batch loop: left as heap holes, they raise that loop's peak RSS.
+        if self.trim_heap:
+            trim_heap()
+        return completions
+
+    def sampling(self, step: int) -> SamplingParams:
+        r = self.cfg
+        seed = (distributed.rank_seed(self.seed, self.rank) * 1_000_003 + step * 7919) % 2**63
+        return SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop_strings=list(r.stop_strings),
+            seed=seed,
+        )
+
+    def state_dict(self) -> dict | None:
+        """The rollouts requested ahead, collected, in types a weights-only load accepts: regenerating
+        them on resume would need the previous step's weights."""
+        if self.pending is None:
+            return None
+        done = self.collect(self.pending)
+        return {
+            "example_indices": self.pending.example_indices,
+            "prompts": [[list(s), list(t)] for s, t in self.pending.prompts],
+            "completions": [[c.prompt_index, c.token_ids, c.logprobs, c.finish_reason] for c in done],
+        }
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's pending batch; none on any rank (another number of ranks) drops it on all."""
+        self.pending = None
+        if state:
+            completions = [
+                Completion(i, list(t), list(lp) if lp is not None else None, r)
+                for i, t, lp, r in state["completions"]
+            ]
+            prompts = [(list(s), list(t)) for s, t in state["prompts"]]
+            self.pending = Pending(list(state["example_indices"]), prompts, None, completions)
+        if distributed.any_rank(self.pending is None):
+            self.pending = None
