@@ -19,6 +19,7 @@ Frozen weights (the LoRA base model) are not saved; they come from ``model.path`
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import pickle
@@ -113,6 +114,14 @@ def _check_plain(obj: Any, what: str) -> bytes:
     except Exception as err:
         raise TypeError(f"{what} must hold only tensors and plain data to be loadable safely: {err}") from err
     return buf.getvalue()
+
+
+def collect_state_dict_cycles() -> None:
+    """torch's state-dict helpers (``torch.distributed.checkpoint.state_dict``) leave reference cycles
+    behind (a recursive closure holding a set of the model's modules), so a model that a checkpoint
+    touched would outlive its trainer until Python's cycle collector ran: on a GPU, its weights in the
+    next trainer's memory (a resume, ``opsd compare``'s next arm). Collected after every use."""
+    gc.collect()
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -435,6 +444,7 @@ def save_checkpoint(
     if rank == 0:
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+    collect_state_dict_cycles()
     return final
 
 
@@ -528,6 +538,7 @@ def load_checkpoint(
             "layout. Resume it with that version, or start the run again"
         )
     loaded = load_distributed(ckpt, model, optimizer, tensors=tensors)
+    collect_state_dict_cycles()
     if loaded.rank_state is None:
         torch.manual_seed(seed)
         return loaded.shared_state, {}

@@ -222,8 +222,8 @@ def make_rollout_engine(
 
 
 def open_run(
-    cfg: Config, run_dir: Path, data_report: dict, plan: cpu.CpuPlan, *, resume: bool, after_step: int
-):
+    cfg: Config, run_dir: Path, data_report: dict, plan: cpu.CpuPlan, resume: bool, after_step: int
+) -> MetricsWriter:
     """Rank 0's run directory: the config, the CPU plan and the data report recorded, the metrics sinks
     opened."""
     r = data_report

@@ -24,7 +24,7 @@ from opsd.data.batching import MicroBatch, pad_microbatches
 from opsd.devices import check_compiler, resolve_device
 from opsd.distributed import all_reduce_sum
 from opsd.errors import TrainingError, UserError
-from opsd.eval.heldout import heldout_divergence
+from opsd.eval.heldout import heldout_accuracy, heldout_divergence
 from opsd.grading import as_grade, resolve_grader
 from opsd.loss import LossStats
 from opsd.microbatch import forward_backward
@@ -128,15 +128,12 @@ class Trainer:
             cfg, self.model, self.params, self.precision, self.device, beside_vllm=beside_vllm
         )
         self.queue = RolloutQueue(
-            cfg.rollout,
+            cfg,
             self.engine,
-            cursor=self.cursor,
-            prompts=self.prompts,
-            examples=self.examples,
-            per_rank=cfg.rollout.prompts_per_rank(self.world),
-            seed=cfg.seed,
-            rank=self.rank,
-            max_steps=cfg.optim.max_steps,
+            self.cursor,
+            self.prompts,
+            self.examples,
+            self.dist,
             trim_heap=self.plan.trim_heap,
         )
         if self.rank == 0:
@@ -145,7 +142,11 @@ class Trainer:
             print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
-        self.metrics = distributed.run_setup(lambda: self._start(resume), "run directory setup")
+        # Rank 0 records the config, the CPU plan and the data report and opens the metrics sinks.
+        opened = lambda: setup.open_run(cfg, self.run_dir, self.data_report, self.plan, resume, self.step_num)  # noqa: E731
+        self.metrics = distributed.run_setup(
+            lambda: opened() if self.rank == 0 else None, "run directory setup"
+        )
 
     def _load(self, plan: cpu.CpuPlan, resume: bool, overwrite: bool) -> None:
         cfg = self.cfg
@@ -161,12 +162,8 @@ class Trainer:
             rank=self.rank,
             world=self.world,
         )
-        self.examples, self.data_report, self.cursor, self.eval_examples = (
-            data.examples,
-            data.report,
-            data.cursor,
-            data.eval_examples,
-        )
+        self.examples, self.cursor, self.eval_examples = data.examples, data.cursor, data.eval_examples
+        self.data_report = data.report
         self.tokenizer = models.load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         self.prompts = PromptBuilder.from_config(self.tokenizer, cfg.data, privileged=cfg.teacher.privileged)
         self.eval_prompts = PromptBuilder.from_config(self.tokenizer, cfg.data, privileged=True)
@@ -181,13 +178,6 @@ class Trainer:
             plan,
             teacher_mode=cfg.teacher.mode if uses_teacher else no_term,
             vocab=self.tokenizer.get_vocab(),
-        )
-
-    def _start(self, resume: bool) -> metrics.MetricsWriter | None:
-        if self.rank != 0:
-            return None
-        return setup.open_run(
-            self.cfg, self.run_dir, self.data_report, self.plan, resume=resume, after_step=self.step_num
         )
 
     # ------------------------------------------------------------------------------------------
@@ -384,7 +374,8 @@ class Trainer:
         except EngineError as e:  # a rollout server failed: what was saved is intact, say where
             last = checkpoint.latest_checkpoint(self.run_dir) or "none yet"
             raise TrainingError(
-                f"{e}. Last good checkpoint: {last}; once the engine is back: opsd train --resume {self.run_dir}"
+                f"{e}. Last good checkpoint: {last}; once the engine is back: "
+                f"opsd train --resume {self.run_dir}"
             ) from None
         finally:
             bar.close()
@@ -415,29 +406,19 @@ class Trainer:
     )
 
     def evaluate(self) -> dict:
-        """Held-out accuracy of the live model, without privileged information, sharded over ranks."""
-        from opsd.eval import evaluate_sharded
-
-        e = self.cfg.eval
-        res = evaluate_sharded(
+        """Held-out accuracy of the live model (no privileged information) and, with ``eval.divergence``,
+        the held-out divergence, sharded over ranks."""
+        out = heldout_accuracy(
             self.model,
             self.tokenizer,
             self.eval_examples,
-            rank=self.rank,
-            world=self.world,
-            k=e.k,
-            temperature=e.temperature,
-            max_new_tokens=e.max_new_tokens,
-            instruction=self.cfg.data.instruction,
-            enable_thinking=self.cfg.data.student_thinking,
-            seed=distributed.rank_seed(self.cfg.seed, self.rank),
-            engine=self.engine,
-            grader=self.eval_grader,
+            self.cfg,
+            self.engine,
+            self.eval_grader,
+            self.rank,
+            self.world,
         )
-        # generate() woke it: the checkpoint save and the next step run without vLLM resident
-        self.engine.sleep()
-        out = res.metrics(prefix="eval/")
-        if e.divergence:
+        if self.cfg.eval.divergence:
             out["eval/divergence"] = self.heldout_divergence()["divergence"]
         return out
 

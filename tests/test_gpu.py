@@ -64,10 +64,16 @@ def test_loss_synchronizes_with_the_host_at_most_twice():
 
 
 def test_cuda_rng_state_round_trips_through_a_checkpoint():
+    """``rng_state`` records the CUDA generator only once CUDA is initialized (as it is in any run that
+    reaches a checkpoint: the model is on the GPU). Alone in its process this test used to ask before
+    anything had initialized CUDA (``manual_seed`` is deferred until then), so the state held no CUDA
+    generator and the second draw differed; it initializes CUDA first, as a training run has."""
     from opsd.checkpoint import rng_state, set_rng_state
 
+    torch.cuda.init()
     torch.cuda.manual_seed(3)
     state = rng_state()
+    assert "cuda" in state
     a = torch.rand(4, device="cuda")
     set_rng_state(state)
     assert torch.equal(torch.rand(4, device="cuda"), a)
@@ -94,9 +100,10 @@ def test_bf16_full_finetuning_on_cuda_keeps_float32_masters(assets, tmp_path):
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
 
 
-def _nccl_worker(rank: int, port: int, root: str) -> None:
-    """One rank on NCCL (cpu:gloo,cuda:nccl): FSDP2 through the trainer for 2 steps, and the HF engine's
-    gather-once generation against the unsharded model."""
+def _nccl_worker(rank: int, port: int, root: str, dtype: str) -> None:
+    """One rank on NCCL (cpu:gloo,cuda:nccl): FSDP2 through the trainer for 2 steps (``dtype``: float32,
+    or bf16 compute over float32 masters through FSDP2's MixedPrecisionPolicy with float32 gradient
+    reduction), and the HF engine's gather-once generation against the unsharded model."""
     import json
     import os
     from pathlib import Path
@@ -116,15 +123,21 @@ def _nccl_worker(rank: int, port: int, root: str) -> None:
 
     d = distributed.init_distributed("cuda")
     try:
+        from torch.distributed.fsdp import FSDPModule
+
         paths = json.loads((Path(root) / "assets.json").read_text())
-        hist = Trainer(
-            make_cfg(
-                paths,
-                Path(root) / "run",
-                **{"device": "cuda", "model.lora.enabled": "false", "optim.max_steps": 2},
-            ),
-            dist=d,
-        ).train()
+        over = {"device": "cuda", "model.lora.enabled": "false", "optim.max_steps": 2, "model.dtype": dtype}
+        tr = Trainer(make_cfg(paths, Path(root) / "run", **over), dist=d)
+        before = [p.detach().full_tensor().clone() for p in tr.model.parameters()]
+        hist = tr.train()
+        policy = next(m for m in tr.model.modules() if isinstance(m, FSDPModule))._get_fsdp_state()._mp_policy
+        moved = [bool((p.detach().full_tensor() != b).any()) for p, b in zip(tr.model.parameters(), before)]
+        sharded = {
+            "masters": sorted({str(p.dtype) for p in tr.model.parameters()}),
+            "param_dtype": str(policy.param_dtype),
+            "reduce_dtype": str(policy.reduce_dtype),
+            "moved": sum(moved) / len(moved),
+        }
         tok = build_tiny_tokenizer()
         plain = build_tiny_model(tok, hidden_size=32, seed=0).cuda()
         sharded = shard_model(build_tiny_model(tok, hidden_size=32, seed=0).cuda(), d.mesh, param_dtype=None)
@@ -133,19 +146,29 @@ def _nccl_worker(rank: int, port: int, root: str) -> None:
         same = [c.token_ids for c in HFEngine(plain, tok).generate(prompts, 1, params)] == [
             c.token_ids for c in HFEngine(sharded, tok).generate(prompts, 1, params)
         ]
-        (Path(root) / "nccl.json").write_text(json.dumps({"losses": [h["loss"] for h in hist], "same": same}))
+        got = {"losses": [h["loss"] for h in hist], "same": same, **sharded}
+        (Path(root) / "nccl.json").write_text(json.dumps(got))
     finally:
         distributed.shutdown()
 
 
-def test_fsdp2_on_nccl_with_one_rank(assets, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp2_on_nccl_with_one_rank(assets, tmp_path, dtype):
+    """float32, and bf16 compute over float32 masters: FSDP2's MixedPrecisionPolicy gathers bf16 weights
+    (float32 ones for float32) and reduces float32 gradients over NCCL (the policy read back from the
+    first sharded module)."""
     import json
     import math
 
     import torch.multiprocessing as mp
 
     (tmp_path / "assets.json").write_text(json.dumps(assets))
-    mp.spawn(_nccl_worker, args=(free_port(), str(tmp_path)), nprocs=1, join=True)
+    mp.spawn(_nccl_worker, args=(free_port(), str(tmp_path), dtype), nprocs=1, join=True)
     got = json.loads((tmp_path / "nccl.json").read_text())
     assert len(got["losses"]) == 2 and all(math.isfinite(x) for x in got["losses"])
     assert got["same"]  # greedy: the gathered weights are the same values, the tokens the same
+    assert got["masters"] == ["torch.float32"]
+    bf16 = dtype == "bfloat16"
+    assert got["param_dtype"] == ("torch.bfloat16" if bf16 else "None")
+    assert got["reduce_dtype"] == "torch.float32"  # parallel.reduce_dtype's default, whatever the compute
+    assert got["moved"] > 0.5  # lr 0.01: the update reaches most float32 masters

@@ -196,46 +196,6 @@ def test_loss_reads_its_statistics_back_once_not_per_chunk(clip_mode, monkeypatc
     assert counts[0] == counts[1] <= 2, counts
 
 
-@pytest.mark.slow
-def test_gpu_step_bench_dry_runs_on_the_cpu():
-    """bench/gpu_step.py --tiny: the GPU check's own code, on a tiny config, through the trainer's loop."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).parents[1]
-    res = subprocess.run(
-        [sys.executable, str(root / "bench" / "gpu_step.py"), "--tiny", "--no-write"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "| lora |" in res.stdout and "| full fsdp |" in res.stdout, res.stdout[-3000:]
-
-
-@pytest.mark.slow
-def test_gpu_trainer_bench_dry_runs_on_the_cpu():
-    """bench/gpu_trainer.py --tiny: the whole Trainer (HF rollouts, teacher, loss, AdamW, a checkpoint and an
-    exact resume) for LoRA and full fine-tuning, and `torchrun -m opsd train` on 2 gloo ranks."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).parents[1]
-    res = subprocess.run(
-        [sys.executable, str(root / "bench" / "gpu_trainer.py"), "--tiny"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    for row in ("| lora, 1 process | 3 |", "| full, 1 process | 3 |", "| lora, 2 processes | 3 |"):
-        assert row in res.stdout, res.stdout[-3000:]
-
-
 def test_a_cuda_index_beyond_the_visible_gpus_is_one_line(monkeypatch):
     from opsd.devices import resolve_device
     from opsd.errors import UserError
@@ -356,3 +316,163 @@ def test_reuse_freed_memory_restores_the_trim_threshold_unless_keeping_pages(kee
         assert devices._M_TRIM_THRESHOLD not in after
     else:
         assert after[devices._M_TRIM_THRESHOLD] == 64 << 20
+
+
+# --- the memory and kernels of the GPU path, read off the CPU run of the same code -------------------
+
+
+def _allocations(fn, keep: list[torch.Tensor] = ()) -> list[tuple[torch.dtype, int]]:
+    """``(dtype, bytes)`` of every storage the aten ops under ``fn()`` create (views and in-place results
+    of existing storages, ``keep``'s included, are not counted): what a GPU's allocator would be asked
+    for, whatever device the same code runs on."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    seen = {t.untyped_storage().data_ptr() for t in keep}
+    out: list[tuple[torch.dtype, int]] = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            res = func(*args, **(kwargs or {}))
+            for t in tree_flatten(res)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    out.append((t.dtype, t.untyped_storage().nbytes()))
+            return res
+
+    with Count():
+        fn()
+    return out
+
+
+def test_adamw_is_fused_where_every_parameter_is_on_cuda(monkeypatch):
+    """The default (foreach) AdamW makes several passes over parameters, moments and gradients per step;
+    on CUDA the fused kernel makes one. ``Tensor.is_cuda`` is faked: the fused CPU kernel then runs."""
+    from opsd.optim import make_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    cpu, _ = make_optimizer(params, lr=1e-3, total=2)
+    assert not cpu.defaults["fused"]  # a CPU keeps PyTorch's default, whose numbers the CPU tests pin
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    cuda, _ = make_optimizer(params, lr=1e-3, total=2)
+    assert cuda.defaults["fused"] is True
+    for p in params:
+        p.grad = torch.ones_like(p)
+    cuda.step()  # the fused kernel's own checks pass (floating point, one device per group)
+    assert "exp_avg" in cuda.state[params[0]]
+
+
+def test_full_finetuning_frozen_copy_is_made_in_the_compute_dtype(tiny_model):
+    """bf16 compute over float32 masters: the frozen teacher was ``deepcopy`` (a float32 clone of every
+    weight, 6.9 GB beside the masters at Qwen3-1.7B on the GPU) and then ``.to(bf16)``. Now each weight
+    is cast as it is copied: the storages made are the bf16 copy and the (small) buffers, nothing else."""
+    weights = [p for p in tiny_model.parameters()]
+    bf16_bytes = sum(p.numel() * 2 for p in weights)
+    made = _allocations(
+        lambda: Teacher("fixed", tiny_model, lora=False, copy_dtype=torch.bfloat16),
+        keep=[*weights, *tiny_model.buffers()],
+    )
+    fp32 = sum(b for d, b in made if d == torch.float32)
+    buffers = sum(b.untyped_storage().nbytes() for b in tiny_model.buffers())
+    assert fp32 <= buffers, f"{fp32} bytes of float32 made (buffers: {buffers})"
+    assert sum(b for d, b in made if d == torch.bfloat16) == bf16_bytes
+
+
+def test_frozen_copy_keeps_ties_buffers_and_the_students_function():
+    """Tied head and embedding stay one tensor; the rotary ``inv_freq`` stays float32 as the student's
+    (the old ``.to(bf16)`` rounded it, and each position's angle with it); the copy computes the student's
+    function up to bf16 weights, and with ``frozen_copy=cpu`` is made in host memory directly."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from opsd.teacher import frozen_copy_of
+
+    cfg = Qwen3Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    student = AutoModelForCausalLM.from_config(cfg)
+    copy = frozen_copy_of(student, torch.bfloat16)
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight
+    assert copy.lm_head.weight.dtype == torch.bfloat16 and not copy.lm_head.weight.requires_grad
+    assert {n: b.dtype for n, b in copy.named_buffers()} == {n: b.dtype for n, b in student.named_buffers()}
+    assert not copy.training and all(p.requires_grad for p in student.parameters())
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        want, got = student(ids).logits, copy(ids).logits.float()
+    # bf16 weights: each logit moves by about 2^-9 of the products it sums (|logit| < 0.2 here)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-2)
+    teacher = Teacher("fixed", student, lora=False, copy_dtype=torch.bfloat16, frozen_copy="cpu")
+    assert teacher.offload and teacher.model.lm_head.weight.dtype == torch.bfloat16
+
+
+def _bf16_head(n: int = 24, h: int = 16, v: int = 40, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(v, h, generator=g) / 2).to(torch.bfloat16)
+    y = torch.randint(0, v, (n,), generator=g)
+    coef = torch.randn(n, generator=g)
+    coef[::5] = 0
+    return hidden, weight, y, coef
+
+
+@pytest.mark.parametrize("head_grad", [False, True])
+def test_policy_gradient_casts_a_bf16_head_a_block_at_a_time(head_grad, monkeypatch):
+    """GRPO's loss cast the whole head to float32 at every call (1.2 GB at Qwen3-1.7B's head); now one
+    block of rows at a time, with float32 numbers: against float64 autograd on the same bf16 values."""
+    from opsd.loss import fused_linear_policy_gradient
+    from opsd.loss import policy_gradient as pg
+
+    hidden, weight, y, coef = _bf16_head()
+    monkeypatch.setattr(pg, "HEAD_BLOCK_ELEMENTS", 7 * hidden.shape[1])  # 6 blocks of 7 rows (the last 5)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(head_grad)
+
+    def run():
+        loss, _ = fused_linear_policy_gradient(hidden, weight, y, coef, temperature=0.7, chunk_size=8)
+        loss.backward()
+        return loss
+
+    made = _allocations(run, keep=[hidden, weight, y, coef])
+    # The head's own float32 gradient (full fine-tuning) is the one head-sized float32 block allowed.
+    head_sized = [b for d, b in made if d == torch.float32 and b >= weight.numel() * 4]
+    assert len(head_sized) == int(head_grad), head_sized
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    log_s = torch.log_softmax(h64 @ w64.t() / 0.7, -1)
+    ref = -(coef.double() * log_s.gather(-1, y[:, None]).squeeze(-1)).sum()
+    ref.backward()
+    loss = fused_linear_policy_gradient(hidden, weight, y, coef, temperature=0.7, chunk_size=8)[0]
+    # float32 products over H=16 of bf16 values (exact in float32): ~1e-7 relative per logit
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+    hidden.grad = weight.grad = None
+    loss.backward()
+    # the gradients come back in the inputs' dtype (bf16): 2^-8 relative
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, rtol=1e-2, atol=1e-3)
+    if head_grad:
+        torch.testing.assert_close(weight.grad.double(), w64.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_token_logprobs_cast_a_bf16_head_a_block_at_a_time(monkeypatch):
+    from opsd.loss import policy_gradient as pg
+    from opsd.loss import token_logprobs
+
+    hidden, weight, y, _ = _bf16_head()
+    whole = token_logprobs(hidden, weight, y, temperature=0.7, chunk_size=8)
+    monkeypatch.setattr(pg, "HEAD_BLOCK_ELEMENTS", 7 * hidden.shape[1])
+    made = _allocations(
+        lambda: token_logprobs(hidden, weight, y, temperature=0.7, chunk_size=8), [hidden, weight]
+    )
+    assert all(not (d == torch.float32 and b >= weight.numel() * 4) for d, b in made)
+    got = token_logprobs(hidden, weight, y, temperature=0.7, chunk_size=8)
+    ref = (
+        torch.log_softmax(hidden.double() @ weight.double().t() / 0.7, -1).gather(-1, y[:, None]).squeeze(-1)
+    )
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, whole, rtol=0, atol=1e-6)  # the blocks change no number beyond rounding

@@ -70,9 +70,11 @@ def test_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-def test_the_step_reads_like_a_loop():
-    src = (PKG / "trainer.py").read_text()
-    tree = ast.parse(src)
+def test_the_step_reads_top_to_bottom():
+    """``Trainer.step`` calls the algorithm's phases itself, in order (docs/architecture.md, "The step
+    reads top to bottom"): rollouts, splicing, the objective's scores, micro-batches, the micro-batch
+    loop, the optimizer step."""
+    tree = ast.parse((PKG / "trainer.py").read_text())
     step = next(
         f
         for c in tree.body
@@ -80,7 +82,16 @@ def test_the_step_reads_like_a_loop():
         for f in c.body
         if isinstance(f, ast.FunctionDef) and f.name == "step"
     )
-    assert step.end_lineno - step.lineno + 1 <= 45
+    calls = []
+    for node in ast.walk(step):
+        if isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            calls.append((node.lineno, node.col_offset, name))
+    order = [name for _, _, name in sorted(calls)]
+    phases = ["next", "make_sample", "score", "microbatches", "forward_backward", "optimizer_step"]
+    positions = [order.index(p) for p in phases]
+    assert positions == sorted(positions), order
 
 
 # --- the "never" rules of docs/architecture.md ----------------------------------------------------

@@ -392,3 +392,27 @@ def test_lora_adapters_compute_in_bf16_over_a_bf16_base(assets, tmp_path):
     with torch.no_grad():
         ref = final_hidden(tr.model, ids, mask, pos)  # peft's own float32 adapter path
     assert (h.float() - ref.float()).abs().max() <= 2**-5 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize(
+    "lora, dtype, setting, want",
+    [
+        (True, "bfloat16", "auto", torch.bfloat16),  # LoRA's float32 adapters compute in bf16 under FSDP
+        (False, "bfloat16", "auto", torch.bfloat16),  # float32 masters, bf16 compute
+        (True, "float32", "auto", None),
+        (False, "float32", "auto", None),
+        (True, "bfloat16", "float32", torch.float32),  # a set parallel.param_dtype wins
+    ],
+)
+def test_fsdp_param_dtype_computes_lora_adapters_in_the_compute_dtype(
+    assets, tmp_path, lora, dtype, setting, want
+):
+    """Under torchrun one process's autocast does not run, so FSDP2's mixed-precision policy casts: with
+    LoRA on a bf16 base its float32 adapters must be cast too, or peft casts every projection's input up
+    to float32 (float32 GEMMs, and more saved activations than the micro-batch budget assumes)."""
+    from opsd import setup
+
+    over = {"model.lora.enabled": lora, "model.dtype": dtype, "parallel.param_dtype": setting}
+    cfg = make_cfg(assets, tmp_path / "run", **over)
+    prec = precision.resolve(dtype, torch.device("cpu"), full_finetune=not lora)
+    assert setup.fsdp_param_dtype(cfg, prec) == want

@@ -1,5 +1,6 @@
-"""The held-out divergence: the distillation loss the current student would have on problems it never
-trains on. Where accuracy is near zero, this is the number that moves."""
+"""Evaluation during training: held-out accuracy, and the held-out divergence (the distillation loss
+the current student would have on problems it never trains on; where accuracy is near zero, this is
+the number that moves)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,37 @@ import torch
 from torch import nn
 
 from opsd.data import Example, make_sample
-from opsd.distributed import all_reduce_sum
+from opsd.distributed import all_reduce_sum, rank_seed
+from opsd.eval.loop import evaluate_sharded
 from opsd.loss import LossStats
 from opsd.microbatch import forward_backward
 from opsd.teacher import Teacher
+
+
+def heldout_accuracy(
+    model: nn.Module, tokenizer, examples: list[Example], cfg, engine, grader: Callable, rank: int, world: int
+) -> dict:
+    """The live model's accuracy on the held-out problems, without privileged information, sharded over
+    ranks, as ``eval/``-prefixed metrics; ``engine``: the trainer's rollout engine, asleep again after."""
+    e = cfg.eval
+    res = evaluate_sharded(
+        model,
+        tokenizer,
+        examples,
+        rank=rank,
+        world=world,
+        k=e.k,
+        temperature=e.temperature,
+        max_new_tokens=e.max_new_tokens,
+        instruction=cfg.data.instruction,
+        enable_thinking=cfg.data.student_thinking,
+        seed=rank_seed(cfg.seed, rank),
+        engine=engine,
+        grader=grader,
+    )
+    # generate() woke it: the checkpoint save and the next step run without vLLM resident
+    engine.sleep()
+    return res.metrics(prefix="eval/")
 
 
 @torch.no_grad()

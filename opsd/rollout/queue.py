@@ -28,32 +28,29 @@ class Pending:
 
 class RolloutQueue:
     """Draws each step's problems from ``cursor``, builds their prompt pairs with ``prompts`` and asks
-    ``engine`` for ``rollout.n`` responses each, seeded by step and rank; ``trim_heap``: the CPU plan's
-    (generation's freed buffers back to the OS before the micro-batch loop)."""
+    ``engine`` for ``rollout.n`` responses each, seeded by step and rank (``dist``); ``trim_heap``: the
+    CPU plan's (generation's freed buffers back to the OS before the micro-batch loop)."""
 
     def __init__(
         self,
-        rollout,
+        cfg,
         engine: RolloutEngine,
-        *,
         cursor,
         prompts: Callable,
         examples: list,
-        per_rank: int,
-        seed: int,
-        rank: int,
-        max_steps: int,
+        dist: distributed.Dist,
+        *,
         trim_heap: bool = False,
     ) -> None:
-        self.cfg = rollout
+        self.cfg = cfg.rollout
         self.engine = engine
         self.cursor = cursor
         self.prompts = prompts
         self.examples = examples
-        self.per_rank = per_rank
-        self.seed = seed
-        self.rank = rank
-        self.max_steps = max_steps
+        self.per_rank = cfg.rollout.prompts_per_rank(dist.world_size)
+        self.seed = cfg.seed
+        self.rank = dist.rank
+        self.max_steps = cfg.optim.max_steps
         self.trim_heap = trim_heap
         self.pending: Pending | None = None  # rollout.overlap: the next step's rollouts, in flight
 
