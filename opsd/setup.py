@@ -100,6 +100,41 @@ def prepare_model(
     9. the teacher's EMA snapshot, of the student as sharded."""
     m = cfg.model
     sharded = dist.mesh is not None
+    # Steps 1-4 load; a failure on any rank ends every rank before the collectives of step 6.
+    model, external = distributed.run_setup(
+        lambda: _load_models(cfg, dist, prec, teacher_mode, vocab), "model load"
+    )
+    teacher = Teacher(
+        teacher_mode,
+        model,
+        lora=m.lora.enabled,
+        ema_decay=cfg.teacher.ema_decay,
+        external=external,
+        frozen_copy=cfg.teacher.frozen_copy,
+        copy_dtype=prec.compute,
+        sharded=sharded,
+    )
+    if sharded:
+        parallel.parallelize(
+            model,
+            teacher.model,
+            dist.mesh,
+            param_dtype=fsdp_param_dtype(cfg, prec),
+            reduce_dtype=models.DTYPES[cfg.parallel.reduce_dtype],
+            teacher_offload=teacher.offload_shards,
+        )
+    plan = cpu.apply_plan(plan, model, teacher.model, params=models.non_embedding_params(model))
+    if m.compile:
+        n = models.compile_layers(model, teacher.model)
+        if dist.rank == 0:
+            print(f"model.compile: {n} decoder layers compile at the first step", file=sys.stderr)
+    teacher.start()
+    return model, teacher, plan
+
+
+def _load_models(cfg: Config, dist: distributed.Dist, prec: precision.Precision, teacher_mode: str, vocab):
+    """:func:`prepare_model`'s steps 1-4: the student (checkpointing, LoRA) and an external teacher."""
+    m = cfg.model
     model = models.load_model(
         m.path,
         dtype=prec.storage,
@@ -130,32 +165,7 @@ def prepare_model(
             attn_implementation=m.attn_implementation,
             device=str(dist.device),
         )
-    teacher = Teacher(
-        teacher_mode,
-        model,
-        lora=m.lora.enabled,
-        ema_decay=cfg.teacher.ema_decay,
-        external=external,
-        frozen_copy=cfg.teacher.frozen_copy,
-        copy_dtype=prec.compute,
-        sharded=sharded,
-    )
-    if sharded:
-        parallel.parallelize(
-            model,
-            teacher.model,
-            dist.mesh,
-            param_dtype=fsdp_param_dtype(cfg, prec),
-            reduce_dtype=models.DTYPES[cfg.parallel.reduce_dtype],
-            teacher_offload=teacher.offload_shards,
-        )
-    plan = cpu.apply_plan(plan, model, teacher.model, params=models.non_embedding_params(model))
-    if m.compile:
-        n = models.compile_layers(model, teacher.model)
-        if dist.rank == 0:
-            print(f"model.compile: {n} decoder layers compile at the first step", file=sys.stderr)
-    teacher.start()
-    return model, teacher, plan
+    return model, external
 
 
 def fsdp_param_dtype(cfg: Config, prec: precision.Precision) -> torch.dtype | None:

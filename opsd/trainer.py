@@ -110,8 +110,15 @@ class Trainer:
         self.spec = cfg.loss.to_spec(cfg.rollout.temperature)
         self.check_lp = cfg.rollout.checks_logprobs()
         self.loss_mm = precision.loss_matmul_dtype(self.precision, self.device)
-        # Run directory, data, tokenizer, model and teacher.
-        distributed.run_setup(lambda: self._load(plan, resume, overwrite), "setup")
+        # Run directory, data and tokenizer; then the model and its teacher, every transform in order.
+        distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
+        # Without a teacher term the teacher runs only for eval.divergence: the initial policy where it
+        # costs nothing (LoRA, adapter off), the live one otherwise (no second copy of the weights).
+        no_term = "fixed" if m.lora.enabled else "live"
+        teacher_mode = cfg.teacher.mode if self.objective.uses_teacher else no_term
+        self.model, self.teacher, self.plan = setup.prepare_model(
+            cfg, self.dist, self.precision, plan, teacher_mode=teacher_mode, vocab=self.tokenizer.get_vocab()
+        )
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -148,7 +155,8 @@ class Trainer:
             lambda: opened() if self.rank == 0 else None, "run directory setup"
         )
 
-    def _load(self, plan: cpu.CpuPlan, resume: bool, overwrite: bool) -> None:
+    def _load(self, resume: bool, overwrite: bool) -> None:
+        """The run directory, the rows and the tokenizer (a failure on any rank ends every rank)."""
         cfg = self.cfg
         if self.rank == 0:
             has_checkpoint = checkpoint.latest_checkpoint(self.run_dir) is not None
@@ -168,17 +176,6 @@ class Trainer:
         self.prompts = PromptBuilder.from_config(self.tokenizer, cfg.data, privileged=cfg.teacher.privileged)
         self.eval_prompts = PromptBuilder.from_config(self.tokenizer, cfg.data, privileged=True)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        # Without a teacher term the teacher runs only for eval.divergence: the initial policy where it
-        # costs nothing (LoRA, adapter off), the live one otherwise (no second copy of the weights).
-        no_term = "fixed" if cfg.model.lora.enabled else "live"
-        self.model, self.teacher, self.plan = setup.prepare_model(
-            cfg,
-            self.dist,
-            self.precision,
-            plan,
-            teacher_mode=cfg.teacher.mode if uses_teacher else no_term,
-            vocab=self.tokenizer.get_vocab(),
-        )
 
     # ------------------------------------------------------------------------------------------
     # The step
@@ -312,15 +309,10 @@ class Trainer:
 
     def record(self, out: StepOutputs) -> dict:
         """The step's metrics over all ranks (:func:`opsd.metrics.step_metrics`; every rank calls it)."""
+        lr, epoch = self.scheduler.get_last_lr()[0], self.cursor.epoch
+        where = dict(device=self.device, rank=self.rank, world=self.world)
         rec, total = metrics.step_metrics(
-            out,
-            step=self.step_num,
-            lr=self.scheduler.get_last_lr()[0],
-            prompt_truncated=self.prompts.truncated,
-            epoch=self.cursor.epoch,
-            device=self.device,
-            rank=self.rank,
-            world=self.world,
+            out, step=self.step_num, lr=lr, prompt_truncated=self.prompts.truncated, epoch=epoch, **where
         )
         lag = {"policy_lag": out.policy_lag} if self.cfg.rollout.overlap else {}
         return rec | self.objective.metrics(total) | lag
@@ -385,21 +377,18 @@ class Trainer:
 
     def _check_bad_steps(self) -> None:
         limit = self.cfg.optim.max_bad_steps
-        if self.bad_steps < limit:
-            return
-        last = checkpoint.latest_checkpoint(self.run_dir) or "none yet"
-        raise TrainingError(
-            f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (limit "
-            f"optim.max_bad_steps={limit}); stopping. Last good checkpoint: {last}. "
-            "Try a lower optim.lr, loss.clip, or model.dtype=float32."
-        )
+        if self.bad_steps >= limit:
+            last = checkpoint.latest_checkpoint(self.run_dir) or "none yet"
+            raise TrainingError(
+                f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (limit "
+                f"optim.max_bad_steps={limit}); stopping. Last good checkpoint: {last}. "
+                "Try a lower optim.lr, loss.clip, or model.dtype=float32."
+            )
 
     def _checkpoint_due(self, end: int) -> bool:
         c = self.cfg.checkpoint
-        if not c.enabled:
-            return False
         periodic = c.every and self.step_num % c.every == 0
-        return bool(periodic or self.step_num == end or self.stop.requested)
+        return c.enabled and bool(periodic or self.step_num == end or self.stop.requested)
 
     stopped = property(
         lambda self: self.stop.requested is not None, doc="The last ``train()`` ended on a signal."
@@ -408,16 +397,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out accuracy of the live model (no privileged information) and, with ``eval.divergence``,
         the held-out divergence, sharded over ranks."""
-        out = heldout_accuracy(
-            self.model,
-            self.tokenizer,
-            self.eval_examples,
-            self.cfg,
-            self.engine,
-            self.eval_grader,
-            self.rank,
-            self.world,
-        )
+        parts = (self.model, self.tokenizer, self.eval_examples, self.cfg, self.engine, self.eval_grader)
+        out = heldout_accuracy(*parts, self.rank, self.world)
         if self.cfg.eval.divergence:
             out["eval/divergence"] = self.heldout_divergence()["divergence"]
         return out
@@ -443,37 +424,26 @@ class Trainer:
 
     def save(self) -> Path:
         """Every rank calls it: the checkpoint is written together (see :mod:`opsd.checkpoint`)."""
-        shared = {
-            "format": checkpoint.FORMAT,
-            "step": self.step_num,
-            "bad_steps": self.bad_steps,
-            "scheduler": self.scheduler.state_dict(),
-            "cursor": self.cursor.state_dict(),
-        }
+        c = self.cfg.checkpoint
+        shared = {"format": checkpoint.FORMAT, "step": self.step_num, "bad_steps": self.bad_steps}
+        shared |= {"scheduler": self.scheduler.state_dict(), "cursor": self.cursor.state_dict()}
+        mine = {"truncated": self.prompts.state_dict(), "pending": self.queue.state_dict()}
         return checkpoint.save_checkpoint(
-            self.run_dir,
-            self.step_num,
-            self.model,
-            self.tokenizer,
-            shared,
+            *(self.run_dir, self.step_num, self.model, self.tokenizer, shared),
             optimizer=self.optimizer,
-            rank_state={"truncated": self.prompts.state_dict(), "pending": self.queue.state_dict()},
+            rank_state=mine,
             tensors=self.teacher.tensors(),
-            keep_last=self.cfg.checkpoint.keep_last,
-            save_merged=self.cfg.checkpoint.save_merged,
+            keep_last=c.keep_last,
+            save_merged=c.save_merged,
         )
 
     def _resume(self) -> None:
         """Continue exactly, at the checkpoint's number of ranks or another (everything reshards)."""
         ckpt = checkpoint.latest_checkpoint(self.run_dir)
         checkpoint.check_format(ckpt)
-        state, mine = checkpoint.load_checkpoint(
-            ckpt,
-            self.model,
-            self.optimizer,
-            tensors=self.teacher.tensors(),
-            seed=distributed.rank_seed(self.cfg.seed, self.rank),
-        )
+        seed = distributed.rank_seed(self.cfg.seed, self.rank)
+        tensors = self.teacher.tensors()
+        state, mine = checkpoint.load_checkpoint(ckpt, self.model, self.optimizer, tensors=tensors, seed=seed)
         self.scheduler.load_state_dict(state["scheduler"])
         self.cursor.load_state_dict(state["cursor"])
         self.step_num, self.bad_steps = state["step"], state["bad_steps"]

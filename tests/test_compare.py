@@ -112,13 +112,15 @@ def test_a_comparison_resumes_without_rerunning_finished_methods(assets, tmp_pat
 
 def test_tuning_never_reads_a_reported_seeds_heldout_set(assets, tmp_path, monkeypatch):
     read = []
-    real = trainer_mod.load_examples
+    import opsd.setup as setup_mod
+
+    real = setup_mod.load_examples
 
     def spy(path, **k):
         read.append(str(path))
         return real(path, **k)
 
-    monkeypatch.setattr(trainer_mod, "load_examples", spy)
+    monkeypatch.setattr(setup_mod, "load_examples", spy)
     out = tmp_path / "cmp"
     with pytest.raises(UserError, match="also reported"):
         compare.run_tune(None, _overrides(assets), out, tune_seeds=[0, 5], reported=[0], steps=2)

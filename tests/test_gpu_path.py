@@ -3,8 +3,6 @@ CUDA call it is about. docs/gpu.md lists what is executed, what is read, and wha
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 from helpers import build_assets, make_cfg, vllm_engine
@@ -204,118 +202,6 @@ def test_a_cuda_index_beyond_the_visible_gpus_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(UserError, match="only 1 CUDA devices are visible"):
         resolve_device("cuda:3")
-
-
-def test_release_freed_memory_trims_on_glibc_only(monkeypatch):
-    """For a CPU device on glibc it runs malloc_trim (and says so); for an accelerator or off glibc it
-    touches nothing."""
-    import platform
-
-    from opsd.devices import release_freed_memory
-
-    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
-    assert release_freed_memory(torch.device("cpu")) is on_glibc
-    assert release_freed_memory(torch.device("cuda")) is False
-    monkeypatch.setattr(platform, "system", lambda: "Darwin")
-    assert release_freed_memory(torch.device("cpu")) is False
-
-
-_REUSE_PROBE = """
-import resource, torch
-from opsd.devices import reuse_freed_memory
-
-def faults_on_second_block(first_mib, second_mib):
-    # Above the 32 MiB that glibc's mmap threshold reaches, so normally mapped and unmapped; the second
-    # block is the smaller, as the loss's blocks are at most its first chunk's (an equal size may not
-    # fit the freed one: posix_memalign asks for its alignment on top).
-    torch.empty(first_mib << 20, dtype=torch.uint8).fill_(1)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.empty(second_mib << 20, dtype=torch.uint8).fill_(1)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-with reuse_freed_memory(torch.device("cpu")) as on:
-    inside = faults_on_second_block(48, 40)
-# Larger than anything the heap kept inside, so glibc's restored settings decide: mapped afresh.
-print(on, inside, faults_on_second_block(96, 80))
-"""
-
-
-@pytest.mark.skipif(
-    not (sys.platform == "linux" and __import__("platform").libc_ver()[0] == "glibc"), reason="glibc only"
-)
-@pytest.mark.parametrize("user_env", [{}, {"MALLOC_MMAP_MAX_": "65536"}])
-def test_reuse_freed_memory_serves_a_freed_block_from_resident_pages(user_env):
-    """Inside the context a 40 MiB block takes the pages of a freed 48 MiB one without page faults; after
-    it, glibc maps and faults an 80 MiB one afresh; a user's own ``MALLOC_*_`` setting turns it off. Its
-    own process: mallopt is process-wide. Error model: filling N MiB of fresh pages faults at least
-    once per page, N / 2 times even with transparent huge pages (20 for 40 MiB, 40 for 80); resident
-    pages fault never, and the probe's own Python and bookkeeping touch far fewer than 20 new pages."""
-    import os
-    import subprocess
-
-    theirs = {k for k in os.environ if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"}  # this machine's
-    env = {k: v for k, v in os.environ.items() if k not in theirs} | user_env
-    res = subprocess.run([sys.executable, "-c", _REUSE_PROBE], capture_output=True, text=True, env=env)
-    assert res.returncode == 0, res.stderr
-    on, inside, after = res.stdout.split()
-    assert on == ("False" if user_env else "True")
-    assert int(after) >= 40
-    if not user_env:
-        assert int(inside) < 20
-    else:
-        assert int(inside) >= 20
-
-
-def test_widths_bucketed_only_for_half_precision_on_a_cpu():
-    """The CPU's bf16 attention keeps a kernel per sequence length; widths are bucketed only there."""
-    from opsd.devices import bucket_widths
-
-    cpu = torch.device("cpu")
-    assert bucket_widths(cpu, torch.bfloat16) and bucket_widths(cpu, torch.float16)
-    assert not bucket_widths(cpu, torch.float32) and not bucket_widths(cpu, torch.float64)
-    assert not bucket_widths(cpu, None)
-    assert not bucket_widths(torch.device("cuda"), torch.bfloat16)
-
-
-def test_rows_run_one_at_a_time_only_in_one_process_on_a_cpu():
-    """A GPU keeps its batches (it needs them to fill it), torchrun too (a forward per row would gather
-    every layer per row); on a CPU rows of 128 tokens and 2**29 FLOPs run a forward each."""
-    from opsd.devices import per_row_from
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert per_row_from(cpu, False, 106_203_456) == 128  # SmolLM2-135M
-    assert per_row_from(cpu, False, 295_552) == 909  # the demo's model: 2**29 / (2 * params)
-    assert per_row_from(cuda, False, 106_203_456) is None and per_row_from(cpu, True, 106_203_456) is None
-
-
-@pytest.mark.parametrize("keep_pages", [False, True])
-def test_reuse_freed_memory_restores_the_trim_threshold_unless_keeping_pages(keep_pages, monkeypatch):
-    """What the context asks of glibc: inside, no mapping and (almost) no trimming; after it, mapping and
-    the threshold glibc's dynamic rule reaches, and the 64 MiB trim threshold back unless
-    ``keep_pages`` (beside vLLM), where the heap's top stays resident for the next step's loop.
-    Whether glibc then trims depends on the heap's layout (a small live or cached chunk above a block
-    pins the top), which a probe cannot fix, so this checks the settings asked for."""
-    from opsd import devices
-
-    calls = []
-
-    class Libc:
-        def mallopt(self, param: int, value: int) -> int:
-            calls.append((param, value))
-            return 1
-
-    monkeypatch.setattr(devices, "_glibc", lambda device: Libc())
-    monkeypatch.setattr(devices, "_user_malloc_settings", lambda: False)
-    with devices.reuse_freed_memory(torch.device("cpu"), keep_pages=keep_pages) as on:
-        assert on is True
-        assert calls == [(devices._M_MMAP_MAX, 0), (devices._M_TRIM_THRESHOLD, devices._TRIM_ALMOST_NEVER)]
-    after = dict(calls[2:])
-    assert after[devices._M_MMAP_MAX] == devices._MMAP_MAX_DEFAULT
-    assert after[devices._M_MMAP_THRESHOLD] == 32 << 20
-    if keep_pages:
-        assert devices._M_TRIM_THRESHOLD not in after
-    else:
-        assert after[devices._M_TRIM_THRESHOLD] == 64 << 20
 
 
 # --- the memory and kernels of the GPU path, read off the CPU run of the same code -------------------

@@ -109,7 +109,7 @@ def test_bf16_full_finetuning_keeps_float32_masters_and_moves_the_weights(assets
     """The defect: AdamW on bf16 weights at lr 5e-6 rounds most updates away (an update of ~lr against
     a bf16 ulp of ~1e-4 at the tiny model's weight size). With float32 masters, bf16 compute moves as
     many weights as float32 does: all but the embedding rows of tokens no batch contained."""
-    monkeypatch.setattr("opsd.trainer.make_engine", ScriptedEngine)
+    monkeypatch.setattr("opsd.setup.make_engine", ScriptedEngine)
     tr16, before, h16 = _train_full(assets, tmp_path / "bf16", "bfloat16")
     assert tr16.precision.mixed and all(p.dtype == FP32 for p in tr16.model.parameters())
     assert all(s["exp_avg"].dtype == FP32 for s in tr16.optimizer.state.values())

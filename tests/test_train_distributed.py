@@ -281,10 +281,11 @@ def _bf16_worker(d, paths: dict, root: str) -> None:
     bf16 base, on this rank; rank 0 writes what it saw."""
     from torch.distributed.tensor import DTensor
 
-    import opsd.trainer
+    import opsd.setup
     from opsd.checkpoint import gather_full_state_dict
+    from opsd.setup import fsdp_param_dtype
 
-    opsd.trainer.make_engine = ScriptedEngine  # the same tokens on both ranks' runs, many embedding rows
+    opsd.setup.make_engine = ScriptedEngine  # the same tokens on both ranks' runs, many embedding rows
     full = Trainer(make_cfg(paths, Path(root) / "full", **{**FULL_FT, "model.dtype": "bfloat16"}), dist=d)
     before = {k: v.clone() for k, v in gather_full_state_dict(full.model).items()}
     local = {
@@ -310,7 +311,7 @@ def _bf16_worker(d, paths: dict, root: str) -> None:
             "moved": changed / total,
             "local": local,
             "adapters": sorted(adapters),
-            "param_dtype": str(full._fsdp_param_dtype()),
+            "param_dtype": str(fsdp_param_dtype(full.cfg, full.precision)),
         }
         (Path(root) / "bf16.json").write_text(json.dumps(report))
 

@@ -266,6 +266,7 @@ def test_three_training_steps_with_vllm(assets, tmp_path, capsys, monkeypatch):
         "seed=3",
         "model.lora.r=4",
         "model.lora.alpha=8",
+        "cpu.tune_malloc=true",
         "rollout.prompts_per_step=2",
         "rollout.n=2",
         "rollout.max_new_tokens=6",
@@ -278,24 +279,26 @@ def test_three_training_steps_with_vllm(assets, tmp_path, capsys, monkeypatch):
         "data.max_prompt_len=64",
         "model.dtype=float32",
     ]
+    import opsd.rollout.queue as queue_mod
     import opsd.trainer as trainer_mod
 
     trims = []
-    monkeypatch.setattr(trainer_mod, "release_freed_memory", trims.append)
+    monkeypatch.setattr(trainer_mod, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(queue_mod, "trim_heap", lambda: trims.append(1))
     kept = []
-    real_reuse = trainer_mod.reuse_freed_memory
+    real_reuse = trainer_mod.reuse_freed_blocks
 
-    def reuse(device, keep_pages):
+    def reuse(keep_pages):
         kept.append(keep_pages)
-        return real_reuse(device, keep_pages=keep_pages)
+        return real_reuse(keep_pages=keep_pages)
 
-    monkeypatch.setattr(trainer_mod, "reuse_freed_memory", reuse)
+    monkeypatch.setattr(trainer_mod, "reuse_freed_blocks", reuse)
     trainer = Trainer(load_config(str(config), args))
     assert isinstance(trainer.engine, VLLMEngine)
     budget = [x for x in capsys.readouterr().err.splitlines() if x.startswith("micro-batches:")]
     assert "vLLM" in budget[0]  # the CPU's auto budget beside the engine (models.microbatch_budget)
     trainer.train()
-    assert trims == []  # beside vLLM the heap keeps its pages between steps (Trainer.trim_heap)
+    assert trims == []  # beside vLLM the heap keeps its pages between steps (the CPU plan's trim_heap)
     assert kept == [True] * 3  # and glibc does not trim them by itself after the loop either
     trainer.engine.close()
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
