@@ -2,14 +2,12 @@
 
 from opsd import Trainer, load_config
 Trainer(load_config("run.yaml", ["loss.beta=0"])).train()
+
+Importing opsd changes nothing outside it: the `opsd` command's entry point (:func:`opsd.cli.entry`)
+is where torch companions built for another torch are hidden (:mod:`opsd.companions`).
 """
 
-from opsd.companions import hide_mismatched_companions
-
 __version__ = "0.1.0"
-
-# Before anything imports transformers: a torchvision built for another torch breaks its model imports.
-hide_mismatched_companions()
 
 __all__ = ["Config", "Trainer", "load_config", "__version__"]
 

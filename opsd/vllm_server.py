@@ -79,10 +79,6 @@ class VLLMServerEngine:
         self.sync_dir = Path(sync_dir)
         self.timeout_s = timeout_s
         self.api_key = api_key
-        # float32 (or wider) on the trainer's side: both sides compute the same float32 logits, ~1e-6
-        # apart; a bf16 trainer rounds its logits at 2^-8 relative, so ~0.1 is the level of noise.
-        wide = compute_dtype in (None, torch.float32, torch.float64)
-        self.sync_tolerance = sync_tolerance or (1e-3 if wide else 0.1)
         self.rank, self.world = rank_world()
         self.syncs = 0
         self.transport = transport
@@ -93,6 +89,14 @@ class VLLMServerEngine:
         self.last_probe_gap: float | None = None
         # Down at start is a user error (one line naming the server); rank 0 asks each for its model.
         self.model_names = self._on_rank0(lambda: [self._model_name(s) for s in self.servers], user=True)
+        # float32 (or wider) on both sides: both compute the same float32 logits, ~1e-6 apart; a bf16
+        # trainer or server (`opsd serve --dtype auto` on a machine with bf16 units) rounds its logits
+        # at 2^-8 relative, so ~0.1 is the level of noise.
+        self.server_dtypes = self._on_rank0(lambda: [self._server_dtype(s) for s in self.servers])
+        wide = compute_dtype in (None, torch.float32, torch.float64) and all(
+            d in (None, "float32", "float64") for d in self.server_dtypes
+        )
+        self.sync_tolerance = sync_tolerance or (1e-3 if wide else 0.1)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
         if self.rank == 0:
@@ -152,6 +156,16 @@ class VLLMServerEngine:
             return listing["data"][0]["id"]
         except (KeyError, IndexError, TypeError):
             raise UserError(f"{server}/v1/models lists no model: is it `opsd serve`?") from None
+
+    def _server_dtype(self, server: str) -> str | None:
+        """The dtype the server computes in, from vLLM's dev-mode ``/server_info`` (`opsd serve` turns
+        dev mode on); None where it does not say."""
+        try:
+            info = self._get(server, "/server_info?config_format=json")
+            dtype = info["vllm_config"]["model_config"]["dtype"]
+        except (ServerError, KeyError, TypeError):
+            return None
+        return str(dtype).removeprefix("torch.")
 
     # -- generation ----------------------------------------------------------------------------
 
@@ -422,8 +436,87 @@ def _index(choice: dict) -> int:
 # `opsd serve`
 
 
-def serve_command(args: argparse.Namespace) -> list[str]:
-    """The `vllm serve` command line opsd needs, and nothing it does not."""
+SERVE_MAX_NUM_SEQS = 16  # `opsd serve --max-num-seqs`: sequences the CPU KV cache holds at full length
+SERVE_CPU_MAX_MODEL_LEN = 4096  # `opsd serve` on a CPU without --max-model-len (capped by the model's)
+
+
+def vllm_flag(tokens: list[str], flag: str) -> str | None:
+    """The value ``--vllm-args`` gives ``flag`` (``--flag V`` or ``--flag=V``; the last one wins, as in
+    vLLM's own parser), None when it does not set it."""
+    found = None
+    for i, tok in enumerate(tokens):
+        if tok == flag and i + 1 < len(tokens):
+            found = tokens[i + 1]
+        elif tok.startswith(flag + "="):
+            found = tok.split("=", 1)[1]
+    return found
+
+
+def serve_dtype(setting: str) -> tuple[str, str]:
+    """``--dtype auto``: opsd's own resolution (bfloat16 on a GPU with bf16 or a CPU with AMX/AVX512-BF16
+    units, float32 elsewhere), which vLLM's CPU backend accepts, with the reason."""
+    if setting != "auto":
+        return setting, "--dtype"
+    from opsd.devices import resolve_device
+    from opsd.precision import compute_dtype, dtype_name
+
+    dtype, why = compute_dtype("auto", resolve_device("auto"))
+    return dtype_name(dtype), f"--dtype auto: {why}"
+
+
+def _model_config(model: str):
+    """The model directory's transformers config, None where it has none that loads."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def cpu_kv_args(args: argparse.Namespace, dtype: str, extra: list[str]) -> tuple[list[str], str | None]:
+    """On a CPU vLLM reserves ``gpu_memory_utilization`` (0.92 by default) of the machine's RAM for its
+    KV cache, which fails beside a trainer: size it instead, as the colocated engine does, to hold
+    ``--max-num-seqs`` sequences of ``--max-model-len`` tokens, and cap vLLM's scheduler at that many.
+    What ``--vllm-args`` sets stands. Returns the flags to add and the line that says what was sized."""
+    from opsd.rollout import cpu_kv_cache_bytes
+
+    if vllm_flag(extra, "--kv-cache-memory-bytes") or vllm_flag(extra, "--gpu-memory-utilization"):
+        return [], None
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return [], None
+    added: list[str] = []
+    config = _model_config(str(args.model))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    length = vllm_flag(extra, "--max-model-len") or args.max_model_len
+    if length is None:
+        longest = getattr(text, "max_position_embeddings", None) or SERVE_CPU_MAX_MODEL_LEN
+        length = min(SERVE_CPU_MAX_MODEL_LEN, int(longest))
+        added += ["--max-model-len", str(length)]
+    seqs = vllm_flag(extra, "--max-num-seqs")
+    if seqs is None:
+        seqs = args.max_num_seqs
+        added += ["--max-num-seqs", str(seqs)]
+    try:
+        length, seqs = int(length), int(seqs)
+    except ValueError:
+        raise UserError(f"--max-model-len {length} / --max-num-seqs {seqs}: expected integers") from None
+    kv = cpu_kv_cache_bytes(text, dtype, seqs, length)
+    if not kv:
+        return added, None
+    line = (
+        f"vLLM on the CPU: a {kv / 2**30:.2f} GiB KV cache for {seqs} sequences of {length} tokens "
+        "(--max-num-seqs, --max-model-len; --vllm-args='--kv-cache-memory-bytes N' sets it)"
+    )
+    return [*added, "--kv-cache-memory-bytes", str(kv)], line
+
+
+def serve_command(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The `vllm serve` command line opsd needs, and nothing it does not; with the lines that say what
+    opsd chose for the user (dtype, the CPU KV cache)."""
+    extra = shlex.split(args.vllm_args or "")
+    dtype, why = serve_dtype(args.dtype)
+    notes = [f"vLLM dtype: {dtype} ({why})"]
     cmd = [
         args.python,
         "-m",
@@ -435,33 +528,59 @@ def serve_command(args: argparse.Namespace) -> list[str]:
         "--port",
         str(args.port),
         "--dtype",
-        args.dtype,
+        dtype,
         # The log-probs of the distribution sampled from (after temperature), as the trainer computes.
         "--logprobs-mode",
         "processed_logprobs",
     ]
+    if args.max_model_len is not None:
+        cmd += ["--max-model-len", str(args.max_model_len)]
     if not torch.cuda.is_available():
         cmd.append("--enforce-eager")  # on CPU a compiled graph may keep stale prepacked weights
         # vLLM 0.32's CPU runner rewinds a seeded request's generator when a chunked prefill discards
         # a sample (gpu_model_runner._bookkeeping_sync: gen.set_offset), which CPU generators do not
         # support: the engine dies. Whole prefills never rewind.
         cmd.append("--no-enable-chunked-prefill")
+        kv_args, line = cpu_kv_args(args, dtype, extra)
+        cmd += kv_args
+        if line:
+            notes.append(line)
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     if args.weight_transfer == "nccl":  # vLLM's weight-transfer endpoints, for rollout.weight_sync=nccl
         cmd += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    return cmd + shlex.split(args.vllm_args or "")
+    return cmd + extra, notes
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Start a vLLM server for rollout.engine=vllm_server: dev-mode endpoints on (weight reload), "
-        "processed log-probs, 127.0.0.1 unless --host says otherwise."
+        "processed log-probs, 127.0.0.1 unless --host says otherwise. On a CPU the KV cache is sized "
+        "for --max-num-seqs sequences of --max-model-len tokens rather than 92%% of the RAM."
     )
     p.add_argument("model", help="the model directory (the same the trainer starts from)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1", help="bind address (the dev endpoints are unauthenticated)")
-    p.add_argument("--dtype", default="float32", help="vLLM's dtype: float32 (default), bfloat16, float16")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="vLLM's dtype; auto (default): bfloat16 on a GPU or a CPU with bf16 units, else float32. "
+        "The trainer's rollout.sync_tolerance follows what the server reports",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help=f"context length (prompt + response); default: the model's, on a CPU at most "
+        f"{SERVE_CPU_MAX_MODEL_LEN}",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SERVE_MAX_NUM_SEQS,
+        help="on a CPU: sequences the KV cache holds at --max-model-len, and vLLM's cap on sequences "
+        f"in flight (default {SERVE_MAX_NUM_SEQS})",
+    )
     p.add_argument("--api-key", help="guards /v1/* only; /collective_rpc, /pause, /resume stay open")
     p.add_argument("--python", default=sys.executable, help="the Python whose environment has vLLM")
     p.add_argument(
@@ -478,8 +597,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     if not Path(args.model).is_dir():
         raise UserError(f"{args.model}: no such model directory")
-    cmd = serve_command(args)
+    cmd, notes = serve_command(args)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    for note in notes:
+        print(note, file=sys.stderr)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     print(f"rollout.servers: [http://{host}:{args.port}]   (put this in the config)", file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,11 +98,9 @@ def _device(tiny: bool) -> str | None:
     return "cuda" if torch.cuda.is_available() else None
 
 
-def _free(trainer) -> float:
-    """Close and drop a trainer; the accelerator memory still allocated after it (MiB): what a Trainer
-    left behind once nothing refers to it."""
-    trainer.close()
-    del trainer
+def _left_after() -> float:
+    """The accelerator memory still allocated (MiB) once the caller has closed its Trainer and dropped
+    every reference to it and to what its steps returned: what a Trainer leaves behind."""
     gc.collect()
     if not torch.cuda.is_available():
         return 0.0
@@ -175,7 +172,9 @@ def _run(
     trainer = Trainer(load_config(None, overrides), resume=resume)
     history = trainer.train(until_step=until)
     weights = _trained(trainer)
-    return history, weights, _free(trainer)
+    trainer.close()
+    del trainer
+    return history, weights, _left_after()
 
 
 def _differences(a: tuple[list[dict], dict], b: tuple[list[dict], dict]) -> dict[str, float]:
@@ -253,23 +252,11 @@ def check_trainer(tiny: bool, out: Path | None) -> int:
 
 
 def _torchrun(config: Path, nproc: int = 1) -> tuple[int, list[str]]:
-    """``torchrun --standalone --nproc-per-node N -m opsd train --config CONFIG``, its output streamed."""
-    launcher = (
-        [shutil.which("torchrun")]
-        if shutil.which("torchrun")
-        else [sys.executable, "-m", "torch.distributed.run"]
-    )
-    cmd = [
-        *launcher,
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "opsd",
-        "train",
-        "--config",
-        str(config),
-    ]
+    """``torchrun --standalone --nproc-per-node N -m opsd train --config CONFIG``, its output streamed
+    (``torchrun`` as this very Python's ``-m torch.distributed.run``: one on the PATH may be another's)."""
+    from opsd.distributed import torchrun_command
+
+    cmd = torchrun_command(nproc, "-m", "opsd", "train", "--config", str(config))
     print("$ " + " ".join(cmd), flush=True)
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -497,7 +484,9 @@ def check_qwen3(tiny: bool, out: Path | None) -> int:
                 }
                 records.append(row)
                 rep.add(f"{setup} step", **row)
-            left = _free(trainer)
+            trainer.close()
+            del trainer, out_
+            left = _left_after()
             later = records[1:] or records
             finite = all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
             ok &= finite and len(records) == steps
