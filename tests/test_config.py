@@ -60,12 +60,54 @@ def test_examples_validate(example):
         (["eval.every=5"], "eval.path"),
         (["data.solution_key=null"], "data.solution_key"),
         (["loss.clip_mode=sometimes"], r"loss\.clip_mode"),
+        (["cpu.tuning=fast"], r"cpu\.tuning: Input should be 'auto' or 'off' \(got 'fast'\)"),
+        (["cpu.tune_malloc=sometimes"], r"cpu\.tune_malloc: .*valid boolean"),
+        (["rollout.fold_lora=maybe"], r"rollout\.fold_lora: Input should be 'auto', 'on' or 'off'"),
+        (["loss.products=bf16"], r"loss\.products: Input should be 'auto' or 'float32'"),
         (["nokey"], "section.key=value"),
     ],
 )
 def test_bad_configs_name_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, ["data.path=x.jsonl", *overrides])
+
+
+def test_cpu_tuning_bad_value_is_one_line_naming_the_key_and_the_choices():
+    with pytest.raises(UserError) as e:
+        load_config(None, ["data.path=x.jsonl", "cpu.tuning=fast"])
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg == "invalid config: cpu.tuning: Input should be 'auto' or 'off' (got 'fast')"
+
+
+def test_cpu_section_defaults_and_overrides(tmp_path):
+    cfg = load_config(None, ["data.path=x.jsonl"])
+    assert cfg.cpu.model_dump() == {
+        "tuning": "auto",
+        "pack_rows": True,
+        "bucket_widths": True,
+        "frozen_layout": True,
+        "trim_heap": True,
+        "tune_malloc": None,
+    }
+    assert cfg.rollout.fold_lora == "auto" and cfg.loss.products == "auto"
+    cfg = load_config(
+        None, ["data.path=x.jsonl", "cpu.tuning=off", "cpu.tune_malloc=false", "cpu.pack_rows=false"]
+    )
+    assert (cfg.cpu.tuning, cfg.cpu.tune_malloc, cfg.cpu.pack_rows) == ("off", False, False)
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_bare_on_and_off_are_the_words_not_yaml_booleans(tmp_path):
+    """YAML 1.1 reads a bare on/off as true/false; the settings spelled with those words take them back."""
+    p = tmp_path / "run.yaml"
+    p.write_text("data:\n  path: x.jsonl\ncpu:\n  tuning: off\nrollout:\n  fold_lora: on\n")
+    cfg = load_config(p)
+    assert (cfg.cpu.tuning, cfg.rollout.fold_lora) == ("off", "on")
+    assert load_config(p, ["rollout.fold_lora=off"]).rollout.fold_lora == "off"
+    with pytest.raises(UserError, match=r"cpu\.tuning: Input should be 'auto' or 'off' \(got 'on'\)"):
+        load_config(p, ["cpu.tuning=on"])
 
 
 def test_missing_data_path_and_file_errors(tmp_path):

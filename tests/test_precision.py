@@ -416,3 +416,13 @@ def test_fsdp_param_dtype_computes_lora_adapters_in_the_compute_dtype(
     cfg = make_cfg(assets, tmp_path / "run", **over)
     prec = precision.resolve(dtype, torch.device("cpu"), full_finetune=not lora)
     assert setup.fsdp_param_dtype(cfg, prec) == want
+
+
+def test_loss_products_float32_keeps_the_loss_products_in_float32(assets, tmp_path, monkeypatch):
+    """``loss.products: auto`` takes bf16 products on bf16 units for a bf16 model; ``float32`` keeps
+    them float32 whatever the hardware."""
+    monkeypatch.setenv("OPSD_CPU_BF16", "1")
+    over = {"model.dtype": "bfloat16", "checkpoint.enabled": "false"}
+    assert Trainer(make_cfg(assets, tmp_path / "auto", **over)).loss_mm == torch.bfloat16
+    plain = Trainer(make_cfg(assets, tmp_path / "f32", **over, **{"loss.products": "float32"}))
+    assert plain.loss_mm is None

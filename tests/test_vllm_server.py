@@ -30,6 +30,7 @@ class FakeServer:
         self.engine = HFEngine(self.model, self.tok)
         self.calls: list[str] = []
         self.fail_next: str | None = None  # a path that answers HTTP 500 once
+        self.dtype: str | None = None  # what /server_info reports (vLLM's dev mode), None: no answer
         # One request at a time: the HF engine seeds through a global RNG scope (vLLM has a generator
         # per request), so concurrent requests would draw from each other's streams.
         self.lock = threading.Lock()
@@ -49,6 +50,11 @@ class FakeServer:
 
             def do_GET(self) -> None:
                 server.calls.append(self.path)
+                if self.path.startswith("/server_info"):
+                    if server.dtype is None:
+                        return self._reply(404, {"detail": "Not Found"})
+                    config = {"model_config": {"dtype": f"torch.{server.dtype}"}}
+                    return self._reply(200, {"vllm_config": config})
                 self._reply(200, {"data": [{"id": "tiny"}]})
 
             def do_POST(self) -> None:
@@ -190,18 +196,75 @@ def test_nccl_is_refused_where_it_cannot_work(assets, tmp_path, server):
         Trainer(_cfg(assets, tmp_path, [server.url], **{"rollout.weight_sync": "nccl"}))
 
 
-def test_serve_command_has_the_flags_opsd_needs(tmp_path):
+def _serve(*argv: str):
     import argparse
 
     from opsd.vllm_server import add_serve_arguments, serve_command
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
-    cmd = serve_command(p.parse_args([str(tmp_path), "--port", "8123", "--vllm-args=--max-model-len 64"]))
+    return serve_command(p.parse_args(list(argv)))
+
+
+def test_serve_command_has_the_flags_opsd_needs(tmp_path):
+    cmd, _ = _serve(str(tmp_path), "--port", "8123", "--vllm-args=--max-model-len 64")
     joined = " ".join(cmd)
     assert "--host 127.0.0.1" in joined and "--port 8123" in joined
     assert "--logprobs-mode processed_logprobs" in joined and "--enforce-eager" in joined
     assert cmd[-2:] == ["--max-model-len", "64"]
+
+
+def test_serve_sizes_the_cpu_kv_cache_from_length_and_sequences(assets):
+    """On a CPU `opsd serve` asks for a KV cache of --max-num-seqs sequences of --max-model-len tokens
+    (the colocated engine's cpu_kv_cache_bytes), not vLLM's 92% of the RAM; what --vllm-args sets
+    stands, and its --max-model-len / --max-num-seqs size the cache."""
+    from transformers import AutoConfig
+
+    from opsd.rollout import cpu_kv_cache_bytes
+
+    config = AutoConfig.from_pretrained(assets["model"])
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1] if name in cmd else None
+
+    cmd, notes = _serve(assets["model"], "--dtype", "float32")  # no --max-model-len: min(model's, 4096)
+    assert flag(cmd, "--max-model-len") == "2048" and flag(cmd, "--max-num-seqs") == "16"
+    assert flag(cmd, "--kv-cache-memory-bytes") == str(cpu_kv_cache_bytes(config, "float32", 16, 2048))
+    assert any("KV cache for 16 sequences of 2048 tokens" in n for n in notes)
+
+    cmd, _ = _serve(assets["model"], "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "4")
+    assert flag(cmd, "--kv-cache-memory-bytes") == str(cpu_kv_cache_bytes(config, "bfloat16", 4, 512))
+    assert cmd.count("--max-model-len") == 1 and flag(cmd, "--max-num-seqs") == "4"
+
+    cmd, _ = _serve(assets["model"], "--dtype", "float32", "--vllm-args=--max-model-len=256 --max-num-seqs 2")
+    assert flag(cmd, "--kv-cache-memory-bytes") == str(cpu_kv_cache_bytes(config, "float32", 2, 256))
+    assert cmd.count("--max-num-seqs") == 1 and cmd.count("--max-model-len=256") == 1
+
+    for mine in ("--kv-cache-memory-bytes 1000000", "--gpu-memory-utilization 0.2"):
+        cmd, notes = _serve(assets["model"], f"--vllm-args={mine}")
+        assert cmd.count("--kv-cache-memory-bytes") == mine.count("kv-cache") and len(notes) == 1
+
+
+def test_serve_dtype_follows_opsd_auto(assets, cpu_bf16):
+    """--dtype auto (the default): bfloat16 where the machine has bf16 units, float32 elsewhere."""
+    cmd, notes = _serve(assets["model"])
+    want = "bfloat16" if cpu_bf16 else "float32"
+    assert cmd[cmd.index("--dtype") + 1] == want
+    assert notes[0].startswith(f"vLLM dtype: {want} (--dtype auto: ")
+    cmd, notes = _serve(assets["model"], "--dtype", "float16")
+    assert cmd[cmd.index("--dtype") + 1] == "float16" and notes[0] == "vLLM dtype: float16 (--dtype)"
+
+
+def test_a_half_precision_server_widens_the_sync_tolerance(assets, tmp_path, server):
+    """A float32 trainer against a bf16 server (`opsd serve --dtype auto` on a machine with bf16
+    units): /server_info says bfloat16, so the probe tolerates bf16 rounding (0.1, not 1e-3)."""
+    tr = Trainer(_cfg(assets, tmp_path, [server.url], **{"optim.max_steps": 1}))
+    assert tr.engine.server_dtypes == [None] and tr.engine.sync_tolerance == 1e-3
+    tr.close()
+    server.dtype = "bfloat16"
+    tr = Trainer(_cfg(assets, tmp_path / "bf16", [server.url], **{"optim.max_steps": 1}))
+    assert tr.engine.server_dtypes == ["bfloat16"] and tr.engine.sync_tolerance == 0.1
+    tr.close()
 
 
 def test_overlap_requests_the_next_rollouts_before_training(assets, tmp_path, server):

@@ -129,22 +129,9 @@ def resolve_plan(
 def default_plan(device: torch.device, compute_dtype: torch.dtype | None) -> CpuPlan:
     """The plan at the ``cpu`` section's defaults for one process decoding with the HF engine: what
     ``opsd eval``, ``opsd sft`` and an engine built outside a trainer run."""
-    try:
-        from opsd.config import CpuTuning
+    from opsd.config import CpuTuning
 
-        settings = CpuTuning()
-    except ImportError:  # TEMPORARY
-        from types import SimpleNamespace
-
-        settings = SimpleNamespace(
-            tuning="auto",
-            pack_rows=True,
-            bucket_widths=True,
-            frozen_layout=True,
-            trim_heap=True,
-            tune_malloc=None,
-        )
-    return resolve_plan(settings, device, compute_dtype, engine="hf")
+    return resolve_plan(CpuTuning(), device, compute_dtype, engine="hf")
 
 
 def apply_plan(plan: CpuPlan, *models: nn.Module | None, params: int) -> CpuPlan:

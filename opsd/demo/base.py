@@ -35,6 +35,7 @@ BASE_KEYS = (
     "sft_lr",
     "sft_batch",
     "sft_teacher_frac",
+    "sft_min_lr_ratio",
     "n_sft",
     "n_train",
     "n_heldout",
@@ -51,6 +52,7 @@ class DemoSettings:
     sft_lr: float = 3e-3
     sft_batch: int = 64
     sft_teacher_frac: float = 0.5  # share of SFT rows with the worked solution in context
+    sft_min_lr_ratio: float = 0.0
     n_sft: int = 4000
     n_train: int = 4000
     n_heldout: int = 300
@@ -123,6 +125,7 @@ def build_base_model(s: DemoSettings, cache: Path | None = None, progress: bool 
             pairs,
             steps=s.sft_steps,
             lr=s.sft_lr,
+            min_lr_ratio=s.sft_min_lr_ratio,
             batch_size=s.sft_batch,
             seed=s.seed,
             pad_id=tok.pad_token_id,

@@ -99,6 +99,7 @@ def train_overrides(
         "device=cpu",
         f"model.path={base}",
         "model.lora.enabled=false",
+        "model.dtype=float32",
         f"data.path={train_path}",
         "data.instruction=",
         f"data.teacher_template={json.dumps(task.TEACHER_TEMPLATE)}",
