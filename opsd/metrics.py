@@ -127,6 +127,20 @@ def format_step_line(rec: dict) -> str:
     return line + (" | " + " ".join(evals) if evals else "")
 
 
+def progress_bar(total: int, done: int, desc: str, shown: bool, end: int):
+    """The training loop's bar over ``total`` steps from ``done``; kept on screen only when this call
+    runs to the last step (``end == total``)."""
+    return tqdm(
+        total=total,
+        initial=done,
+        desc=desc,
+        unit="step",
+        disable=not shown,
+        dynamic_ncols=True,
+        leave=end == total,
+    )
+
+
 def show_step(bar, rec: dict, *, lines: bool = True) -> None:
     """Advance the progress bar, with the loss in its postfix, and print the step's line under it."""
     bar.update(1)

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from opsd import checkpoint, cpu, distributed, metrics, models, precision, setup
 from opsd.config import Config, resolve_engine
@@ -84,15 +83,8 @@ class Trainer:
             m.dtype, self.device, full_finetune=not m.lora.enabled, pure_bf16=m.pure_bf16
         )
         # The CPU plan (empty on a GPU), then what is trained for: distillation, GRPO, or both.
-        engine_kind = resolve_engine(cfg.rollout.engine)[0]
-        plan = cpu.resolve_plan(
-            cfg.cpu,
-            self.device,
-            self.precision.compute,
-            engine=engine_kind,
-            sharded=sharded,
-            compiled=m.compile,
-        )
+        kind, dtype = resolve_engine(cfg.rollout.engine)[0], self.precision.compute
+        plan = cpu.resolve_plan(cfg.cpu, self.device, dtype, engine=kind, sharded=sharded, compiled=m.compile)
         chunk = cfg.loss.chunk_size or plan.loss_chunk_rows
         self.objective = make_objective(cfg, chunk, plan.loss_slab_elements)
         self.heldout = make_distillation(cfg, chunk, plan.loss_slab_elements)  # eval.divergence's loss
@@ -115,26 +107,15 @@ class Trainer:
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = setup.make_optimizer_for(cfg, self.params)
-        self.engine = distributed.run_setup(
-            lambda: setup.make_rollout_engine(
-                cfg, self.model, self.tokenizer, self.precision, self.dist, self.plan
-            ),
-            "rollout engine start",
-        )
+        parts = (cfg, self.model, self.tokenizer, self.precision, self.dist, self.plan)
+        self.engine = distributed.run_setup(lambda: setup.make_rollout_engine(*parts), "rollout engine start")
         self.engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it)
         beside_vllm = isinstance(self.engine, VLLMEngine)
         self.mb_tokens, why = setup.microbatch_tokens(
             cfg, self.model, self.params, self.precision, self.device, beside_vllm=beside_vllm
         )
-        self.queue = RolloutQueue(
-            cfg,
-            self.engine,
-            self.cursor,
-            self.prompts,
-            self.examples,
-            self.dist,
-            trim_heap=self.plan.trim_heap,
-        )
+        drawn = (self.cursor, self.prompts, self.examples)
+        self.queue = RolloutQueue(cfg, self.engine, *drawn, self.dist, trim_heap=self.plan.trim_heap)
         if self.rank == 0:
             print(f"precision: {self.precision.describe()}", file=sys.stderr)
             print(f"cpu plan: {self.plan.describe()}", file=sys.stderr)
@@ -154,13 +135,10 @@ class Trainer:
             has_checkpoint = checkpoint.latest_checkpoint(self.run_dir) is not None
             prepare_run_dir(self.run_dir, resume=resume, overwrite=overwrite, has_checkpoint=has_checkpoint)
             checkpoint.clean_partial(self.run_dir)
-        uses_teacher = self.objective.uses_teacher
+        privileged = cfg.teacher.privileged and self.objective.uses_teacher
+        needs = self.objective.needs_answers
         data = setup.load_data(
-            cfg,
-            privileged=cfg.teacher.privileged and uses_teacher,
-            needs_answers=self.objective.needs_answers,
-            rank=self.rank,
-            world=self.world,
+            cfg, privileged=privileged, needs_answers=needs, rank=self.rank, world=self.world
         )
         self.examples, self.cursor, self.eval_examples = data.examples, data.cursor, data.eval_examples
         self.data_report = data.report
@@ -181,18 +159,9 @@ class Trainer:
         ex_idx, prompts, completions, lag = self.queue.next(self.step_num, timer)
 
         # 3. Splice each response, token for token, after the student prompt and the teacher prompt.
-        lp = self.check_lp
-        samples = [
-            make_sample(
-                *prompts[c.prompt_index],
-                c.token_ids,
-                ex_idx[c.prompt_index],
-                c.finish_reason,
-                c.logprobs if lp else None,
-            )
-            for c in completions
-            if c.token_ids
-        ]
+        rows = [(c, prompts[c.prompt_index], ex_idx[c.prompt_index]) for c in completions if c.token_ids]
+        lps = [c.logprobs if self.check_lp else None for c, _, _ in rows]
+        samples = [make_sample(*p, c.token_ids, i, c.finish_reason, lp) for (c, p, i), lp in zip(rows, lps)]
         # What the objective reads from the rollouts as a whole (GRPO: rewards, group advantages).
         answers = [self.examples[i].answer for i in ex_idx]
         scores = self.objective.score(completions, answers, self.decode)
@@ -214,20 +183,11 @@ class Trainer:
         """Pack this rank's samples into micro-batches within the token budget, weighted by the global
         token and sequence counts, and padded to as many on every rank (FSDP's collectives match)."""
         lens = [s.response_len for s in samples]
-        counts = torch.tensor([sum(lens), len(lens)], dtype=torch.float64)
-        tokens, seqs = all_reduce_sum(counts).tolist()
-        batches = make_microbatches(
-            samples,
-            max_tokens=self.mb_tokens,
-            min_real_frac=self.cfg.optim.min_real_token_frac,
-            pad_id=self.pad_id,
-            reduction=self.spec.reduction,
-            global_tokens=tokens,
-            global_seqs=seqs,
-            device=self.device,
-            bucket=self.plan.bucket_widths,
-            per_row_from=self.plan.pack_from,
-        )
+        tokens, seqs = all_reduce_sum(torch.tensor([sum(lens), len(lens)], dtype=torch.float64)).tolist()
+        counts = dict(reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs)
+        plan = dict(device=self.device, bucket=self.plan.bucket_widths, per_row_from=self.plan.pack_from)
+        budget = dict(max_tokens=self.mb_tokens, min_real_frac=self.cfg.optim.min_real_token_frac)
+        batches = make_microbatches(samples, pad_id=self.pad_id, **budget, **counts, **plan)
         return pad_microbatches(batches, self.pad_id, self.device)
 
     def forward_backward(
@@ -236,19 +196,13 @@ class Trainer:
         """This trainer's micro-batch loop (:func:`opsd.microbatch.forward_backward`) with its model,
         teacher, objective and mixed precision; with the CPU plan's ``tune_malloc``, inside glibc
         settings that reuse the blocks it frees (:func:`opsd.cpu.heap.reuse_freed_blocks`)."""
-        tuned = (
-            reuse_freed_blocks(keep_pages=self.plan.keep_pages) if self.plan.tune_malloc else nullcontext()
-        )
+        plan = self.plan
+        tuned = reuse_freed_blocks(keep_pages=plan.keep_pages) if plan.tune_malloc else nullcontext()
+        teacher = self.teacher if self.objective.uses_teacher else None
+        parts = (self.model, teacher, batches, self.loss)
         with tuned:
             return forward_backward(
-                self.model,
-                self.teacher if self.objective.uses_teacher else None,
-                batches,
-                self.loss,
-                scores=scores or Scores(),
-                autocast=self.autocast,
-                timer=timer,
-                backward=backward,
+                *parts, scores=scores or Scores(), autocast=self.autocast, timer=timer, backward=backward
             )
 
     def loss(self, s_hidden, t_hidden, t_head, mb, scores: Scores, *, objective: Objective | None = None):
@@ -323,15 +277,8 @@ class Trainer:
                 file=sys.stderr,
             )
         history: list[dict] = []
-        bar = tqdm(
-            total=cfg.optim.max_steps,
-            initial=self.step_num,
-            desc=self.progress_desc,
-            unit="step",
-            disable=not cfg.logging.progress or self.rank != 0,
-            dynamic_ncols=True,
-            leave=end == cfg.optim.max_steps,
-        )
+        shown = cfg.logging.progress and self.rank == 0
+        bar = metrics.progress_bar(cfg.optim.max_steps, self.step_num, self.progress_desc, shown, end)
         self.stop.requested = None
         try:
             with self.stop:
@@ -398,18 +345,18 @@ class Trainer:
     def heldout_divergence(self) -> dict:
         """The distillation loss's statistics on the held-out problems (:mod:`opsd.eval.heldout`): one
         response each from a seed stream no training step uses, the same at every evaluation."""
-        return heldout_divergence(
+        generate = partial(self.rollout, n=1, step=-1)
+        loss = partial(self.loss, objective=self.heldout)
+        parts = (
             self.model,
             self.teacher,
             self.eval_examples,
             self.eval_prompts,
-            lambda prompts: self.rollout(prompts, n=1, step=-1),
+            generate,
             self.microbatches,
-            partial(self.loss, objective=self.heldout),
-            autocast=self.autocast,
-            rank=self.rank,
-            world=self.world,
+            loss,
         )
+        return heldout_divergence(*parts, autocast=self.autocast, rank=self.rank, world=self.world)
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints

@@ -181,13 +181,14 @@ def test_overlap_through_a_real_server(assets, tmp_path, server):
     print(f"overlap logprob_gap per step: {[rec['logprob_gap'] for rec in history]}")
 
 
-def test_opsd_serve_defaults_on_a_cpu(assets, tmp_path):
+def test_opsd_serve_defaults_on_a_cpu(assets, tmp_path, monkeypatch):
     """`opsd serve MODEL` with no flags: opsd's dtype resolution (bfloat16 where the CPU has bf16
     units) and a KV cache for 16 sequences of min(the model's 2048, 4096) tokens instead of vLLM's 92%
     of the RAM. A float32 trainer learns the server's dtype from /server_info and trains through it
-    within the matching tolerance."""
+    within the matching tolerance. The CPU's own answer, not the suite's float32 default."""
     from opsd.precision import cpu_has_bf16_units
 
+    monkeypatch.delenv("OPSD_CPU_BF16")
     dtype = "bfloat16" if cpu_has_bf16_units()[0] else "float32"
     served = Served(assets["model"], tmp_path / "server.log", args=[])
     try:
