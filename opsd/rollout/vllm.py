@@ -154,6 +154,12 @@ def cpu_kv_cache_bytes(config, dtype: str, max_num_seqs: int | None, max_model_l
 
 def _import_vllm():
     """Imports vLLM with the environment VLLMEngine needs (read by vLLM at import and engine start)."""
+    from opsd.companions import check_subprocesses
+
+    # vLLM inspects the model's class in a subprocess that imports every torch companion installed;
+    # one built for another torch kills it: one line naming `opsd env --fix` instead (the `opsd`
+    # command hides them from its subprocesses, so this passes there).
+    check_subprocesses()
     # One in-process engine core per trainer rank: weights load by reference, no serialisation.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
