@@ -42,34 +42,39 @@ def bench_config(data: Path, overrides: list[str]):
     rows = [json.loads(x) for x in data.read_text().splitlines()[:32]]
     tmp = Path(tempfile.mkdtemp(prefix="opsd-bench-"))
     (tmp / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return load_config(
-        None,
-        [
-            f"model.path={model}",
-            "model.dtype=float32",
-            "model.lora.r=16",
-            "model.lora.alpha=32",
-            f"data.path={tmp / 'rows.jsonl'}",
-            "data.shuffle=false",
-            "data.max_prompt_len=1024",
-            "data.max_teacher_prompt_len=2048",
-            "rollout.prompts_per_step=8",
-            "rollout.n=1",
-            "rollout.max_new_tokens=128",
-            "rollout.temperature=1.1",
-            "loss.mode=jsd",
-            "loss.beta=0",
-            "loss.clip_mode=entry",
-            "loss.clip=0.05",
-            "optim.max_steps=4",
-            "optim.lr=5e-6",
-            "optim.grad_clip=0.1",
-            "checkpoint.enabled=false",
-            f"logging.run_dir={tmp / 'run'}",
-            "logging.sample_every=0",
-            "device=cpu",
-            *overrides,
-        ],
+    # The `opsd` command's defaults for the process it owns (cpu.tune_malloc), as `opsd train` runs.
+    from opsd.cpu import command_defaults
+
+    return command_defaults(
+        load_config(
+            None,
+            [
+                f"model.path={model}",
+                "model.dtype=float32",
+                "model.lora.r=16",
+                "model.lora.alpha=32",
+                f"data.path={tmp / 'rows.jsonl'}",
+                "data.shuffle=false",
+                "data.max_prompt_len=1024",
+                "data.max_teacher_prompt_len=2048",
+                "rollout.prompts_per_step=8",
+                "rollout.n=1",
+                "rollout.max_new_tokens=128",
+                "rollout.temperature=1.1",
+                "loss.mode=jsd",
+                "loss.beta=0",
+                "loss.clip_mode=entry",
+                "loss.clip=0.05",
+                "optim.max_steps=4",
+                "optim.lr=5e-6",
+                "optim.grad_clip=0.1",
+                "checkpoint.enabled=false",
+                f"logging.run_dir={tmp / 'run'}",
+                "logging.sample_every=0",
+                "device=cpu",
+                *overrides,
+            ],
+        )
     )
 
 

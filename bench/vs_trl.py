@@ -413,6 +413,7 @@ def _machine(info: dict) -> str:
 def _run_opsd(w: Work) -> tuple[list[dict], dict]:
     """opsd's Trainer; the phase times are its own metrics.jsonl."""
     from opsd.config import load_config
+    from opsd.cpu import command_defaults
     from opsd.trainer import Trainer
 
     cfg = load_config(
@@ -458,6 +459,7 @@ def _run_opsd(w: Work) -> tuple[list[dict], dict]:
             *w.opsd_set,
         ],
     )
+    cfg = command_defaults(cfg)  # the `opsd` command's defaults (cpu.tune_malloc), as `opsd train` runs
     trainer = Trainer(cfg)
     engine = type(trainer.engine).__name__
     trainer.train()

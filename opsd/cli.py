@@ -27,6 +27,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _run_train(args: argparse.Namespace) -> int:
     from opsd.config import load_config
+    from opsd.cpu import command_defaults
     from opsd.devices import resolve_device
     from opsd.distributed import init_distributed, shutdown
     from opsd.trainer import Trainer
@@ -40,7 +41,7 @@ def _run_train(args: argparse.Namespace) -> int:
         overrides.append(f"logging.run_dir={args.resume}")
     if config is None:
         raise UserError("--config is required (or --resume RUN_DIR)")
-    cfg = load_config(config, overrides)
+    cfg = command_defaults(load_config(config, overrides))  # this command owns its process
     resolve_device(cfg.device)  # names a device this machine lacks before any process group starts
     # Under torchrun: this rank's device, the process group and the FSDP mesh, before any rollout
     # engine starts. One process without torchrun's environment gets none of them.

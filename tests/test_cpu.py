@@ -268,3 +268,19 @@ def test_tuning_off_changes_no_global_state(assets, tmp_path, monkeypatch):
     hidden = {name for name in set(sys.modules) - modules if sys.modules[name] is None}
     assert not hidden  # nothing made absent behind the caller's back
     assert tr.model.get_base_model().config._attn_implementation == "sdpa"
+
+
+def test_the_opsd_command_tunes_malloc_unless_the_user_chose(monkeypatch):
+    """``opsd train`` owns its process: it turns ``cpu.tune_malloc`` on where the config leaves it unset
+    and no ``MALLOC_*`` variable is set; a set key or a user's variable wins."""
+    from opsd.config import Config
+
+    for k in heap.USER_MALLOC_ENV + ("GLIBC_TUNABLES",):
+        monkeypatch.delenv(k, raising=False)
+    unset = Config.model_validate({"model": {"path": "m"}, "data": {"path": "d.jsonl"}})
+    assert unset.cpu.tune_malloc is None
+    assert cpu.command_defaults(unset).cpu.tune_malloc is True
+    off = unset.model_copy(update={"cpu": unset.cpu.model_copy(update={"tune_malloc": False})})
+    assert cpu.command_defaults(off).cpu.tune_malloc is False
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert cpu.command_defaults(unset).cpu.tune_malloc is None

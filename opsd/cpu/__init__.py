@@ -62,7 +62,10 @@ class CpuPlan:
         if self.trim_heap:
             parts.append("heap trimmed between steps")
         if self.tune_malloc:
-            parts.append("malloc tuned in the micro-batch loop" + (", pages kept" if self.keep_pages else ""))
+            kept = ", pages kept" if self.keep_pages else ""
+            parts.append(
+                f"malloc tuned in the micro-batch loop{kept} (cpu.tune_malloc=false keeps glibc's own)"
+            )
         if self.static_cache:
             parts.append("static KV cache")
         if self.fold_lora_bytes:
@@ -124,6 +127,17 @@ def resolve_plan(
         fold_lora_bytes=ACTIVATION_BUDGET if hf else 0,  # within the activations' budget, free while decoding
         notes=tuple(notes),
     )
+
+
+def command_defaults(cfg):
+    """What the ``opsd`` command turns on for the process it owns: ``cpu.tune_malloc`` where the config
+    leaves it unset and the user set no ``MALLOC_*``/``GLIBC_TUNABLES`` variable. A Python caller that
+    builds a ``Trainer`` itself keeps glibc's settings unless it sets the key."""
+    from opsd.cpu.heap import user_malloc_settings
+
+    if cfg.cpu.tune_malloc is not None or user_malloc_settings():
+        return cfg
+    return cfg.model_copy(update={"cpu": cfg.cpu.model_copy(update={"tune_malloc": True})})
 
 
 def default_plan(device: torch.device, compute_dtype: torch.dtype | None) -> CpuPlan:
