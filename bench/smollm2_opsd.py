@@ -52,15 +52,7 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
     cfg = trainer.cfg
     prompts = PromptBuilder.from_config(trainer.tokenizer, cfg.data, privileged=True)  # its own cache
     pairs = [prompts(i, ex) for i, ex in enumerate(examples)]
-    r = cfg.rollout
-    params = SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-        stop_strings=list(r.stop_strings),
-        seed=seed,
-    )
+    params = SamplingParams.from_rollout(cfg.rollout, seed)
     trainer.engine.wake()
     completions = trainer.engine.generate([s for s, _ in pairs], 1, params)
     trainer.engine.sleep()

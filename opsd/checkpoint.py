@@ -15,6 +15,9 @@ world size. ``RUN_DIR/checkpoints/step_000010/``:
 The ``.pt`` files hold only tensors, numbers, strings, lists, tuples and dicts, and are loaded with
 ``torch.load(weights_only=True)``: a checkpoint from someone else cannot run code when resumed.
 Frozen weights (the LoRA base model) are not saved; they come from ``model.path``.
+
+Only the newest ``checkpoint.keep_last`` are kept, and the best by held-out accuracy, which
+``checkpoints/best.json`` names (:mod:`opsd.records`; :func:`prune_checkpoints`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from opsd.distributed import _initialized, rank_world, run_setup
 from opsd.errors import TrainingError, UserError
 from opsd.models import base_model, merged_weights
 from opsd.parallel import is_sharded
+from opsd.records import best_checkpoint
 
 PREFIX = "step_"
 # state.pt's "format". 1 (no key): before float32 master weights; a bf16 full fine-tuning run stored
@@ -64,6 +68,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     ckpts = list_checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints, never the best one (named in
+    ``checkpoints/best.json``, :mod:`opsd.records`); returns what was deleted."""
+    best = best_checkpoint(run_dir)
+    old = [p for p in list_checkpoints(run_dir)[:-keep_last] if p != best]
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
 
 
 def clean_partial(run_dir: Path) -> list[Path]:
@@ -442,8 +456,7 @@ def save_checkpoint(
             f"{' '.join(str(cause).split())}; {intact}"
         ) from err
     if rank == 0:
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(run_dir, keep_last)
     collect_state_dict_cycles()
     return final
 

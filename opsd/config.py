@@ -481,6 +481,12 @@ class CheckpointConfig(_Section):
         50, ge=0, description="Save every this many steps, and at the end; 0: only at the end."
     )
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    keep_best: bool = Field(
+        True,
+        description="With eval.every: also keep the checkpoint saved at the best held-out accuracy "
+        "(eval/avg@k), named in checkpoints/best.json, whatever keep_last; it survives a resume. false: "
+        "only the last keep_last are kept.",
+    )
     save_merged: bool = Field(False, description="LoRA: also write the model with the adapters merged.")
 
 
@@ -532,6 +538,43 @@ class EvalConfig(_Section):
         description="Also the student's divergence from the privileged teacher on the held-out problems "
         "(metric eval/divergence), which moves where accuracy is near zero; needs data.solution_key in the "
         "file and costs one sampled response per problem.",
+    )
+
+
+class GuardConfig(_Section):
+    """Stop a run that goes bad: held-out accuracy falling from its best, responses collapsing in length,
+    or most responses cut at rollout.max_new_tokens. Every guard is off (null) by default. A guard that
+    fires stops the run after that step as a signal does: a checkpoint is saved (where checkpoint.enabled),
+    one line names the guard, the step, the measured value against its limit, the best checkpoint and the
+    resume command, and `opsd train` exits 0. Each stop is appended to guard.jsonl in the run directory;
+    `opsd report` marks it. A resumed run rebuilds the guards' history from metrics.jsonl."""
+
+    max_accuracy_drop: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Stop when held-out accuracy (eval/avg@k, a fraction) falls more than this below its "
+        "best so far, e.g. 0.1: ten points; needs eval.every. null: off.",
+    )
+    min_length_ratio: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Stop when the mean response length over the last `window` steps falls below this "
+        "fraction of its mean over the run's first `window` steps, e.g. 0.5. null: off.",
+    )
+    max_truncation: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Stop when the share of responses cut at rollout.max_new_tokens, averaged over the last "
+        "`window` steps, rises above this, e.g. 0.5. null: off.",
+    )
+    window: int = Field(
+        3,
+        ge=1,
+        description="Steps averaged by min_length_ratio (the baseline and the trailing mean) and "
+        "max_truncation; neither checks before this many steps.",
     )
 
 
@@ -594,6 +637,7 @@ class Config(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
+    guard: GuardConfig = GuardConfig()
     parallel: ParallelConfig = ParallelConfig()
     cpu: CpuTuning = CpuTuning()
 
@@ -655,6 +699,8 @@ class Config(_Section):
             raise ValueError("eval.divergence=true needs data.solution_key (held-out solutions)")
         if self.eval.every and not self.eval.path:
             raise ValueError("eval.every > 0 needs eval.path (a held-out file with answers)")
+        if self.guard.max_accuracy_drop is not None and not self.eval.every:
+            raise ValueError("guard.max_accuracy_drop needs eval.every > 0 (held-out accuracy to compare)")
         return self
 
 

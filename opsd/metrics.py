@@ -27,6 +27,9 @@ TIME_KEYS = tuple(f"time_{p}" for p in PHASES)
 # Loss statistics (opsd.loss.LossStats.means()).
 LOSS_STAT_KEYS = ("divergence", "clip_frac", "entropy_student", "entropy_teacher", "agreement")
 LENGTH_KEYS = ("resp_len_mean", "resp_len_max", "truncated_frac")
+# "repetition": the share of repeated n-grams of this length in a response (:func:`repetition`),
+# averaged over the step's responses that have at least one.
+REPETITION_N = 4
 # Every key of a training step's record, in the order it is written.
 STEP_KEYS = (
     "step",
@@ -35,6 +38,7 @@ STEP_KEYS = (
     "grad_norm",
     "lr",
     *LENGTH_KEYS,
+    "repetition",
     "tokens",
     "tokens_per_s",
     "real_token_frac_teacher",
@@ -70,8 +74,10 @@ def step_record(
     times: dict[str, float],
     elapsed: float,
     peak_mem_gb: float,
+    repetition: float = 0.0,
 ) -> dict:
-    """One line of metrics.jsonl. ``response_lens`` and ``truncated`` cover every rank's responses."""
+    """One line of metrics.jsonl. ``response_lens`` and ``truncated`` cover every rank's responses;
+    ``repetition``: their mean share of repeated n-grams (:func:`repetition`; 0 where not measured)."""
     n = max(1, len(response_lens))
     rec = {
         "step": step,
@@ -82,6 +88,7 @@ def step_record(
         "resp_len_mean": sum(response_lens) / n,
         "resp_len_max": max(response_lens, default=0),
         "truncated_frac": truncated / n,
+        "repetition": float(repetition),
         "tokens": int(tokens),
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "real_token_frac_teacher": real_tokens["teacher"] / max(1, padded_tokens["teacher"]),
@@ -98,6 +105,17 @@ def step_record(
     if "logprob_gap" in loss_stats:  # mean |log-prob of the rollout engine - the trainer's| per checked token
         rec["logprob_gap"] = float(loss_stats["logprob_gap"])
     return rec
+
+
+def repetition(token_ids: list[int], n: int = REPETITION_N) -> float | None:
+    """The share of a response's n-grams (of token ids) that repeat an earlier one: 1 - distinct
+    n-grams / all n-grams. 0: no n-gram occurs twice; near 1: the response loops on one phrase. None for
+    a response shorter than ``n`` tokens (no n-gram to count)."""
+    total = len(token_ids) - n + 1
+    if total < 1:
+        return None
+    distinct = len({tuple(token_ids[i : i + n]) for i in range(total)})
+    return 1.0 - distinct / total
 
 
 def reduce_over_ranks(
@@ -310,9 +328,9 @@ def step_metrics(
     world: int,
 ) -> tuple[dict, dict[str, float]]:
     """The step's record over all ranks, from one sum of named fields (every rank calls it): loss
-    statistics, token counts, prompt truncation, the objective's sums, and each rank's response
-    lengths and truncation flags. Returns the record and the summed fields (the objective reads its
-    own)."""
+    statistics, token counts, prompt truncation, the responses' repetition (:func:`repetition`), the
+    objective's sums, and each rank's response lengths and truncation flags. Returns the record and
+    the summed fields (the objective reads its own)."""
     sums = asdict(out.stats)
     for side in ("teacher", "student"):
         for kind in ("real", "padded"):
@@ -321,6 +339,8 @@ def step_metrics(
     for side, count in prompt_truncated.items():
         sums[f"prompt_truncated_{side}"] = count
     sums.update(out.scores.sums)
+    shares = [r for r in (repetition(c.token_ids) for c in out.completions) if r is not None]
+    sums["repetition_sum"], sums["repetition_count"] = sum(shares), len(shares)
     per_sample = [[len(c.token_ids), c.finish_reason == "length"] for c in out.completions]
     total, rows = reduce_over_ranks(sums, per_sample, rank=rank, world=world)
     stats = LossStats(**{k: total[k] for k in asdict(out.stats)})
@@ -341,6 +361,7 @@ def step_metrics(
         times=out.timer.times,
         elapsed=out.timer.elapsed(),
         peak_mem_gb=peak_memory_gb(device),
+        repetition=total["repetition_sum"] / max(1.0, total["repetition_count"]),
     )
     return rec, total
 

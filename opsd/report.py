@@ -1,4 +1,5 @@
-"""`opsd report RUN_DIR`: PNG plots + report.md from a run's metrics.jsonl (and eval.jsonl).
+"""`opsd report RUN_DIR`: PNG plots + report.md from a run's metrics.jsonl (and eval.jsonl), with the
+best checkpoint and any guard stop (:mod:`opsd.guard`) marked on every plot.
 
 Works on a run that is still being written (a partial last line is skipped and counted) and on a
 resumed run (a step logged twice keeps its last record, which is what the resumed run computed).
@@ -16,7 +17,8 @@ from pathlib import Path
 from matplotlib.figure import Figure  # no pyplot: no global backend/state, renders with Agg
 
 from opsd.errors import UserError
-from opsd.metrics import TIME_KEYS
+from opsd.metrics import REPETITION_N, TIME_KEYS
+from opsd.records import read_best, read_stops
 
 EVAL_PREFIX = "eval/"
 
@@ -39,6 +41,7 @@ PLOTS: list[tuple[str, str, list[list[str]]]] = [
         "Throughput and step-time breakdown",
         [["tokens_per_s"], ["stack:" + k for k in TIME_KEYS]],
     ),
+    ("repetition", f"Share of repeated {REPETITION_N}-grams per response", [["repetition"]]),
     ("optim", "Learning rate, grad norm and memory", [["lr"], ["grad_norm"], ["peak_mem_gb"]]),
     ("logprob_gap", "Rollout engine vs trainer: mean |log-prob difference| per token", [["logprob_gap"]]),
     ("reward", "GRPO: mean reward and groups without signal", [["reward_mean"], ["flat_group_frac"]]),
@@ -121,6 +124,7 @@ class Panel:
     hlines: dict[str, float] = field(default_factory=dict)  # label -> y
     stacked: bool = False  # the series as a stacked area (they must share x)
     ylim: tuple[float, float] | None = None
+    vlines: dict[str, float] = field(default_factory=dict)  # label -> x (drawn dotted: marked steps)
 
 
 def plot_panels(path: Path, title: str, panels: list[Panel], *, sharex: bool = True) -> Path:
@@ -136,6 +140,8 @@ def plot_panels(path: Path, title: str, panels: list[Panel], *, sharex: bool = T
                 ax.plot(xs, ys, label=label, marker="o" if len(xs) < 30 else None, markersize=3)
         for label, y in panel.hlines.items():
             ax.axhline(y, ls="--", color="tab:green", label=label)
+        for (label, x), color in zip(panel.vlines.items(), ("tab:green", "tab:red", "tab:purple") * 9):
+            ax.axvline(x, ls=":", color=color, label=label)
         ax.set_ylabel(panel.ylabel)
         if panel.ylim is not None:
             ax.set_ylim(*panel.ylim)
@@ -156,7 +162,13 @@ def series(table: dict[int, dict[str, float]], key: str) -> tuple[list[int], lis
     return steps, [table[s][key] for s in steps]
 
 
-def _plot(path: Path, title: str, table: dict[int, dict[str, float]], panels: list[list[str]]) -> bool:
+def _plot(
+    path: Path,
+    title: str,
+    table: dict[int, dict[str, float]],
+    panels: list[list[str]],
+    marks: dict[str, float] | None = None,
+) -> bool:
     drawn: list[Panel] = []
     for keys in panels:
         stacked = all(k.startswith("stack:") for k in keys)
@@ -168,7 +180,7 @@ def _plot(path: Path, title: str, table: dict[int, dict[str, float]], panels: li
             found = {k: series(table, k) for k in names if series(table, k)[0]}
         if found:
             ylabel = "seconds / step" if stacked else (names[0] if len(names) == 1 else "")
-            drawn.append(Panel(found, ylabel=ylabel, stacked=stacked))
+            drawn.append(Panel(found, ylabel=ylabel, stacked=stacked, vlines=dict(marks or {})))
     if not drawn:
         return False
     plot_panels(path, title, drawn)
@@ -196,6 +208,25 @@ def _final_table(table: dict[int, dict[str, float]], last_n: int = 10) -> list[s
     return rows
 
 
+def run_marks(run_dir: Path) -> tuple[dict[str, float], list[str]]:
+    """The steps a run's records mark (the best checkpoint of checkpoints/best.json, each guard stop of
+    guard.jsonl; :mod:`opsd.records`) as plot label -> step, and their report.md lines."""
+    marks: dict[str, float] = {}
+    lines: list[str] = []
+    best = read_best(run_dir)
+    if best is not None:
+        marks[f"best checkpoint (step {best['step']})"] = float(best["step"])
+        lines.append(
+            f"- best checkpoint: `checkpoints/{best['checkpoint']}`, {best['metric']}="
+            f"{_fmt(float(best['value']))} at step {best['step']}"
+        )
+    for stop in read_stops(run_dir):
+        marks[f"{stop['guard']} stop (step {stop['step']})"] = float(stop["step"])
+        text = stop.get("line") or f"{stop['guard']} stopped the run after step {stop['step']}"
+        lines.append(f"- guard stop: {text}")
+    return marks, lines
+
+
 def write_report(run_dir: Path) -> Path:
     """Write RUN_DIR/report/*.png and RUN_DIR/report/report.md; returns the report.md path."""
     run_dir = Path(run_dir)
@@ -203,11 +234,13 @@ def write_report(run_dir: Path) -> Path:
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
 
+    marks, mark_lines = run_marks(run_dir)
     images: list[tuple[str, str]] = []
     for stem, title, panels in PLOTS:
-        if _plot(out / f"{stem}.png", title, metrics.train, panels):
+        if _plot(out / f"{stem}.png", title, metrics.train, panels, marks):
             images.append((stem, title))
-    if metrics.eval and _plot(out / "eval.png", "Eval accuracy", metrics.eval, _eval_panels(metrics.eval)):
+    evals = _eval_panels(metrics.eval)
+    if metrics.eval and _plot(out / "eval.png", "Eval accuracy", metrics.eval, evals, marks):
         images.append(("eval", "Eval accuracy"))
 
     md = [f"# Run report: {run_dir.resolve().name}", ""]
@@ -225,7 +258,7 @@ def write_report(run_dir: Path) -> Path:
         )
     if metrics.bad_lines:
         md.append(f"- {len(metrics.bad_lines)} line(s) skipped: {'; '.join(metrics.bad_lines[:10])}")
-    md.append("")
+    md += [*mark_lines, ""]
 
     if metrics.train:
         md += ["## Final numbers", "", *_final_table(metrics.train), ""]

@@ -25,6 +25,7 @@ from opsd.distributed import all_reduce_sum
 from opsd.errors import TrainingError, UserError
 from opsd.eval.heldout import heldout_accuracy, heldout_divergence
 from opsd.grading import as_grade, resolve_grader
+from opsd.guard import Guard
 from opsd.loss import LossStats
 from opsd.microbatch import forward_backward
 from opsd.objectives import Objective, Scores, make_distillation, make_objective
@@ -276,7 +277,7 @@ class Trainer:
                 f"further: opsd train --resume {self.run_dir} optim.max_steps=N (N > {self.step_num})",
                 file=sys.stderr,
             )
-        history: list[dict] = []
+        history, guard = [], Guard.for_run(cfg, self.run_dir, self.step_num, self.rank)  # stops, best ckpt
         shown = cfg.logging.progress and self.rank == 0
         bar = metrics.progress_bar(cfg.optim.max_steps, self.step_num, self.progress_desc, shown, end)
         self.stop.requested = None
@@ -293,14 +294,13 @@ class Trainer:
                     if self.metrics is not None:
                         metrics.log_step(self.metrics, bar, rec, out, self.examples, self.decode, cfg.logging)
                     self._check_bad_steps()
-                    # A signal on any rank stops all of them after this step.
-                    if distributed.any_rank(self.stop.requested is not None):
+                    # A signal on any rank, or a guard on rank 0, stops all of them after this step.
+                    if distributed.any_rank(guard.stops(rec, self.stop)):
                         self.stop.requested = self.stop.requested or "a signal to another rank"
                     if self._checkpoint_due(end) and self.bad_steps == 0:
-                        self.save()
+                        guard.saved(self.save(), rec)
                     if self.stop.requested:
-                        if self.rank == 0:
-                            self.stop.say_stopped(self.step_num, self.run_dir)
+                        guard.say_stopped(self.stop, self.step_num)
                         break
         except EngineError as e:  # a rollout server failed: what was saved is intact, say where
             last = checkpoint.latest_checkpoint(self.run_dir) or "none yet"

@@ -18,12 +18,14 @@ from opsd.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_state,
+    prune_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from opsd.errors import TrainingError, UserError
 from opsd.models import apply_lora
+from opsd.records import write_best
 from opsd.tiny import build_tiny_model
 
 
@@ -143,6 +145,23 @@ def test_resaving_a_step_replaces_it_and_keep_last_prunes(tiny_model, tiny_token
         save_checkpoint(tmp_path, step, tiny_model, tiny_tokenizer, {"step": step}, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+
+
+def test_keep_last_rotation_never_deletes_the_best(tiny_model, tiny_tokenizer, tmp_path):
+    """checkpoints/best.json (opsd.guard) names a checkpoint the keep_last rotation skips; once another
+    is named, prune_checkpoints drops the old one."""
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, tiny_model, tiny_tokenizer, {"step": step}, keep_last=1)
+        if step == 2:
+            write_best(tmp_path, 2, "eval/avg@1", 0.5, tmp_path / "checkpoints" / "step_000002")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000004"]
+    assert latest_checkpoint(tmp_path).name == "step_000004" and load_state(list_checkpoints(tmp_path)[0])
+    write_best(tmp_path, 4, "eval/avg@1", 0.6, tmp_path / "checkpoints" / "step_000004")
+    assert [p.name for p in prune_checkpoints(tmp_path, 1)] == ["step_000002"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.json", "step_000004"]
+    (tmp_path / "checkpoints" / "best.json").write_text("{not json")  # unreadable: no best, plain rotation
+    save_checkpoint(tmp_path, 5, tiny_model, tiny_tokenizer, {"step": 5}, keep_last=1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000005"]
 
 
 def _disk_full(*args, **kwargs):

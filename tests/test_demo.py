@@ -164,9 +164,75 @@ def test_prompts_differ_only_by_the_solution():
 def test_base_key_changes_with_every_base_setting():
     s = base.DemoSettings()
     assert s.base_key() == base.DemoSettings().base_key()
-    for change in ({"seed": 1}, {"digits": 2}, {"sft_steps": 10}, {"sft_teacher_frac": 0.3}, {"hidden": 64}):
+    changes = ({"seed": 1}, {"digits": 2}, {"sft_steps": 10}, {"sft_teacher_frac": 0.3}, {"hidden": 64})
+    for change in (*changes, {"sft_schedule": "cosine"}):
         assert base.DemoSettings(**change).base_key() != s.base_key()
     assert base.DemoSettings(opsd_steps=5).base_key() == s.base_key()  # OPSD settings do not rebuild
+
+
+# ----------------------------------------------------------------------------------------------
+# Shipped bases
+
+
+def _no_training(monkeypatch):
+    def refuse(*a, **kw):
+        raise AssertionError("a shipped base was trained instead of loaded")
+
+    monkeypatch.setattr(base, "train_base_model", refuse)
+
+
+def test_shipped_bases_match_their_hashes_and_load_without_training(tmp_path, monkeypatch):
+    _no_training(monkeypatch)
+    assert set(base.SHIPPED) >= {0, 1, 2}  # the demo's seed and `--compare --seeds 0,1,2`'s
+    for seed, sha in base.SHIPPED.items():
+        assert base.file_sha256(base.shipped_path(seed)) == sha
+        s = base.DemoSettings(seed=seed)
+        assert base.is_shipped(s)
+        out = base.build_base_model(s, cache=tmp_path, progress=False)
+        info = json.loads((out / "demo_base.json").read_text())
+        assert info["sha256"] == sha and info["seed"] == seed
+        assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    # the stored weights are exactly what the HF directory holds, in float32
+    from opsd.models import load_model
+
+    model = load_model(str(base.build_base_model(base.DemoSettings(), cache=tmp_path, progress=False)))
+    weights = base.load_shipped_weights(0)
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {k: v.dtype for k, v in weights.items()}
+    for k, v in model.state_dict().items():
+        assert v.equal(weights[k]), k
+
+
+def test_only_the_shipped_recipe_and_seeds_load_shipped_weights():
+    assert base.is_shipped(base.DemoSettings(seed=0, opsd_steps=5, opsd_lr=1e-4))  # OPSD settings: same base
+    assert not base.is_shipped(base.DemoSettings(seed=max(base.SHIPPED) + 1))
+    assert not base.is_shipped(base.DemoSettings(seed=0, sft_steps=10))
+    assert not base.is_shipped(base.DemoSettings(seed=0, n_heldout=200))  # the SFT split depends on it
+
+
+def test_a_damaged_shipped_base_is_a_one_line_error(tmp_path):
+    data = bytearray(base.shipped_path(0).read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    bad = tmp_path / "seed0.safetensors"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="SHA-256") as e:
+        base.load_shipped_weights(0, bad)
+    assert "\n" not in str(e.value) and str(bad) in str(e.value)
+    with pytest.raises(UserError, match="missing"):
+        base.load_shipped_weights(0, tmp_path / "absent.safetensors")
+
+
+def test_shipped_bases_are_declared_package_data():
+    """A wheel keeps only declared package data: pyproject must name the files, and importlib finds them."""
+    import fnmatch
+    import importlib.resources
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    root = Path(__file__).resolve().parents[1]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for seed in base.SHIPPED:
+        rel = base.shipped_path(seed).relative_to(root / "opsd" / "demo").as_posix()
+        assert any(fnmatch.fnmatch(rel, pat) for pat in declared["opsd.demo"]), rel
+        assert importlib.resources.files("opsd.demo").joinpath(rel).is_file()
 
 
 def test_run_dir_that_is_not_a_demo_run_is_refused(tmp_path, capsys):
@@ -251,41 +317,39 @@ def test_cli_prints_the_table(monkeypatch, capsys, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# A shortened demo, end to end, against its control
+# The demo itself, end to end, against its control
 
-# 200 OPSD steps: held-out accuracy first dips (the optimizer restart, docs/demo.md), so a shorter run
-# may end below where it started. Seed 0 reads 2.5% -> 20.0% (teacher 99.0%) on the pinned torch on the
-# machine it was written on, 58.0% -> 97.5% (teacher 100%) on an AMD EPYC (AVX512-BF16).
-SHORT = dict(sft_steps=250, opsd_steps=200, eval_every=200, n_heldout=200, n_sft=2000, n_train=2000)
+# Seed 0's shipped base on its 300 held-out problems: 75 right without the solution, 293 with it. Greedy
+# decoding of the same weights picks the same tokens with the AVX512 and the AVX2 kernels (docs/demo.md),
+# so these are exact on any CPU that rounds alike.
+SHIPPED_SEED0 = (75 / 300, 293 / 300)
 
 
 @pytest.mark.slow
-def test_short_demo_gains_and_its_control_does_not(tmp_path):
-    s = base.DemoSettings(seed=0, **SHORT)
+def test_demo_gains_without_a_dip_and_its_control_does_not(tmp_path, monkeypatch):
+    _no_training(monkeypatch)
+    s = base.DemoSettings(seed=0)  # the real `opsd demo`: shipped base, 100 steps, 10 evaluations
     cache = tmp_path / "cache"
     r = demo_run.run_opsd(s, tmp_path / "run", cache=cache, progress=False)
-    # The control: same base model (from the cache), no solution in the teacher's context. Its
-    # teacher equals the student, so its gradient is exactly zero from the first step: a few steps
-    # show it as well as many.
+    # The control: same base model, no solution in the teacher's context. Its teacher equals the
+    # student, so its gradient is exactly zero from the first step: a few steps show it as well as many.
     c = demo_run.run_opsd(
-        base.DemoSettings(seed=0, **{**SHORT, "opsd_steps": 10, "eval_every": 10}),
+        base.DemoSettings(seed=0, opsd_steps=10, eval_every=10),
         tmp_path / "control",
         control=True,
         cache=cache,
         progress=False,
         plot=False,
     )
-
-    assert r["teacher_with_solution"] >= 0.9  # the base model can use the worked solution
-    # and is an imperfect student without it. How imperfect is not portable: 250 SFT steps amplify
-    # the last bit of float32 rounding, which differs between CPUs' vector paths (seed 0's base read
-    # 2.5% on one machine, 58% on an AMD EPYC with AVX512 and 33% on the same EPYC forced to AVX2; in
-    # float64 36.5% and 22%). So ask only for what this test needs of it: room, 30 points under the
-    # teacher, for the 15-point gain asserted below.
-    assert r["student_before"] <= r["teacher_with_solution"] - 0.3
+    assert (r["student_before"], r["teacher_with_solution"]) == SHIPPED_SEED0
     assert c["student_before"] == r["student_before"]  # same base model, same held-out set
-    summary = {k: r[k] for k in ("student_before", "student_after", "teacher_with_solution", "seconds")}
-    assert r["student_after"] - r["student_before"] >= 0.15, summary
+    # Training itself may round differently by CPU. Measured: 98.3% after 100 steps with either kernel
+    # level, every evaluation above the last but one; 90% leaves 8 points of room, and an evaluation of
+    # 300 problems near 95% has a binomial standard deviation of 1.3 points.
+    summary = {k: r[k] for k in ("student_before", "student_after", "teacher_with_solution", "curve")}
+    assert r["student_after"] >= 0.9, summary
+    # no dip: the base is not annealed to a point OPSD's first steps throw it out of (docs/demo.md)
+    assert min(acc for _, acc in r["curve"]) >= r["student_before"] - 0.10, summary
     assert c["student_after"] == c["student_before"]
     ctrl = [json.loads(x) for x in (tmp_path / "control" / "metrics.jsonl").read_text().splitlines()]
     assert all(rec["divergence"] == 0.0 and rec["grad_norm"] == 0.0 for rec in ctrl)
@@ -294,8 +358,8 @@ def test_short_demo_gains_and_its_control_does_not(tmp_path):
     assert (run_dir / "demo.png").stat().st_size > 0 and r["plot"] == str(run_dir / "demo.png")
     assert (run_dir / "checkpoints").is_dir() and (run_dir / "config.yaml").is_file()
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 200]
-    assert len(list(cache.glob("base-*"))) == 1  # the control reused the cached base model
+    assert [e["step"] for e in evals] == list(range(0, 101, 10))
+    assert len(list(cache.glob("base-*"))) == 1  # the control reused the same base directory
 
 
 # ----------------------------------------------------------------------------------------------
@@ -475,3 +539,16 @@ def test_short_compare_writes_the_table_and_plot_and_control_a_stays_put(tmp_pat
     assert row.split(" | ")[2] == "+0.0", row
     assert Path(r["plot"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "compare_result.json").read_text())["seeds"][0]["seed"] == 0
+
+
+@pytest.mark.slow
+def test_compare_runs_on_the_shipped_base(tmp_path, monkeypatch):
+    """`opsd demo --compare` on seed 0's shipped base: loaded, not trained, and the arms run on it."""
+    _no_training(monkeypatch)
+    s = base.DemoSettings(opsd_steps=2, eval_every=2)
+    arms = ("opsd", "control_a")
+    r = compare.run_compare(s, [0], tmp_path / "c", arms=arms, cache=tmp_path, progress=False)
+    sd = r["seeds"][0]
+    assert (sd["student_before"], sd["teacher_with_solution"]) == SHIPPED_SEED0
+    assert compare.gain(r, "control_a") == [0.0]
+    assert [p["step"] for p in compare.arm_runs(r, "opsd")[0]["points"]] == [0, 2]

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+import opsd.report as report_mod
 from opsd.cli import main
 from opsd.errors import UserError
 from opsd.metrics import OPTIONAL_KEYS, STEP_KEYS, TIME_KEYS, step_record
+from opsd.records import write_best
 from opsd.report import (
     PLOTS,
     Panel,
@@ -51,6 +53,7 @@ def _train_record(step: int, loss: float) -> dict:
         times={"rollout": 0.5, "teacher": 0.15, "student": 0.25, "loss": 0.05, "optim": 0.05},
         elapsed=1.0,
         peak_mem_gb=3.2,
+        repetition=0.05 * step,
     )
 
 
@@ -93,7 +96,7 @@ def test_write_report_makes_pngs_and_markdown(tmp_path: Path) -> None:
     assert report == run / "report" / "report.md"
     pngs = sorted(p.name for p in (run / "report").glob("*.png"))
     expected = ["agreement", "clip_frac", "entropy", "eval", "loss", "optim", "response_length", "throughput"]
-    assert pngs == sorted(f"{s}.png" for s in expected)
+    assert pngs == sorted(f"{s}.png" for s in [*expected, "repetition"])
     for name in pngs:
         _assert_png(run / "report" / name)
     md = report.read_text()
@@ -104,6 +107,37 @@ def test_write_report_makes_pngs_and_markdown(tmp_path: Path) -> None:
     assert "| time_loss |" in md
     assert "| eval/avg@1 | 0.2 | 5 |" in md
     assert "1 line(s) skipped" in md and "superseded" in md
+
+
+def test_best_checkpoint_and_guard_stops_are_marked(tmp_path: Path, monkeypatch) -> None:
+    """checkpoints/best.json and guard.jsonl (opsd.guard) become dotted lines at their steps on every
+    plot and lines in report.md; a run without them has no marks."""
+    run = tmp_path / "run"
+    _write_run(run)
+    drawn: dict[str, list[Panel]] = {}
+    real = report_mod.plot_panels
+
+    def spy(path, title, panels, **kw):
+        drawn[path.stem] = panels
+        return real(path, title, panels, **kw)
+
+    monkeypatch.setattr(report_mod, "plot_panels", spy)
+    write_report(run)
+    assert drawn and all(not p.vlines for panels in drawn.values() for p in panels)
+    (run / "checkpoints").mkdir()
+    write_best(run, 4, "eval/avg@1", 0.5, run / "checkpoints" / "step_000004")
+    line = "guard.min_length_ratio stopped the run after step 7: mean response length ..."
+    (run / "guard.jsonl").write_text(
+        json.dumps({"guard": "guard.min_length_ratio", "step": 7, "line": line}) + "\n"
+    )
+    drawn.clear()
+    md = write_report(run).read_text()
+    marks = {"best checkpoint (step 4)": 4.0, "guard.min_length_ratio stop (step 7)": 7.0}
+    assert set(drawn) == {"eval", *(stem for stem, _, _ in PLOTS if stem not in ("logprob_gap", "reward"))}
+    assert all(p.vlines == marks for panels in drawn.values() for p in panels)
+    assert "- best checkpoint: `checkpoints/step_000004`, eval/avg@1=0.5 at step 4" in md
+    assert f"- guard stop: {line}" in md
+    assert "| repetition | 0.4 | 8 |" in md  # 0.05 * 8, the resumed run's
 
 
 def test_missing_keys_and_separate_eval_file(tmp_path: Path) -> None:

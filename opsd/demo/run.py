@@ -20,8 +20,8 @@ from opsd.demo.base import DemoSettings, build_base_model, prompt_ids
 from opsd.errors import UserError
 from opsd.fetch import opsd_home
 
-# `opsd demo --compare`'s steps per method: five runs of it fit in about 15 minutes on 2 CPU cores.
-COMPARE_STEPS = 200
+# `opsd demo --compare`'s steps per method: the demo's own.
+COMPARE_STEPS = DemoSettings.opsd_steps
 
 
 def heldout_accuracy(model: Any, tok: Any, rows: list[dict], digits: int, *, with_solution: bool) -> float:
@@ -99,6 +99,8 @@ def train_overrides(
         "device=cpu",
         f"model.path={base}",
         "model.lora.enabled=false",
+        # not `auto`: that computes in bfloat16 on CPUs with AMX/AVX512-BF16 and in float32 elsewhere,
+        # so the same demo would train differently by CPU
         "model.dtype=float32",
         f"data.path={train_path}",
         "data.instruction=",

@@ -24,6 +24,13 @@ class SamplingParams:
     seed: int | None = None  # None: fresh OS entropy; the global torch RNG is never touched either way
     min_new_tokens: int = 0  # stop tokens are masked out before this many tokens (benchmarks)
 
+    @classmethod
+    def from_rollout(cls, rollout, seed: int | None) -> SamplingParams:
+        """The ``rollout`` config section's sampling settings, with ``seed``."""
+        r = rollout
+        stops = list(r.stop_strings)
+        return cls(r.temperature, r.top_p, r.top_k, r.max_new_tokens, stop_strings=stops, seed=seed)
+
     def validate(self) -> None:
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0")

@@ -119,16 +119,9 @@ class RolloutQueue:
         return completions
 
     def sampling(self, step: int) -> SamplingParams:
-        r = self.cfg
+        """``step``'s sampling settings, seeded by step and rank."""
         seed = (distributed.rank_seed(self.seed, self.rank) * 1_000_003 + step * 7919) % 2**63
-        return SamplingParams(
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            stop_strings=list(r.stop_strings),
-            seed=seed,
-        )
+        return SamplingParams.from_rollout(self.cfg, seed)
 
     def state_dict(self) -> dict | None:
         """The rollouts requested ahead, collected, in types a weights-only load accepts: regenerating
