@@ -5,7 +5,7 @@ solution) and control B (teacher with another problem's solution), the same numb
 each, in this process, one after the other. The figures are recorded whatever they show. The load
 average before and after is printed and recorded: other jobs on the cores slow every arm down.
 
-    python bench/compare.py                          # seeds 0 1 2, 200 steps: about 3 x 15 minutes on 2 cores
+    python bench/compare.py                          # seeds 0 1 2, 100 steps: about 3 x 4 minutes on 2 cores
     python bench/compare.py --seeds 0 --steps 50 --no-write
 """
 
@@ -40,9 +40,10 @@ def render(r: dict, started: str, load_before: str, load_after: str, plot: str) 
         "included unless cached.",
         "",
         f"Settings (docs/demo.md): {s['digits']}-digit addition, Llama {s['layers']}x{s['hidden']} after "
-        f"{s['sft_steps']} SFT steps; every method then takes {s['opsd_steps']} optimizer steps with AdamW "
-        f"lr {s['opsd_lr']} (GRPO: {s['grpo_lr']}), {s['opsd_warmup']} warmup steps then cosine, gradient "
-        "clip 1, from the same base model, on the same training problems; held-out accuracy on "
+        f"{s['sft_steps']} SFT steps ({s['sft_schedule']} lr); every method then takes {s['opsd_steps']} "
+        f"optimizer steps with AdamW lr {s['opsd_lr']} (GRPO: {s['grpo_lr']}), {s['opsd_warmup']} warmup "
+        "steps then cosine, gradient clip 1, from the same base model, on the same training problems; "
+        "held-out accuracy on "
         f"{s['n_heldout']} problems (greedy, exact final answer) every {s['eval_every']} steps. OPSD and the "
         f"controls: {s['prompts_per_step']} problems x 1 sample a step, fixed teacher, forward KL. GRPO: "
         f"{r['grpo_prompts_per_step']} problems x {s['grpo_n']} samples a step (as many responses a step as "

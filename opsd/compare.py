@@ -1,7 +1,8 @@
 """`opsd compare`: the paper's comparison on the user's own model and data.
 
-OPSD against GRPO, GRPO with a distillation term (``mixed``), SFT on the worked solutions and two
-controls, every method from the same config: the same model, training rows, held-out set
+OPSD against GRPO, GRPO with a distillation term (``mixed``), SFT on the worked solutions and three
+controls (A: no solution; B: another problem's; wrong-answer: its own with the final answer made
+wrong), every method from the same config: the same model, training rows, held-out set
 (``eval.path``), evaluation, schedule and budget. The budget is defined once (:class:`Budget`) and
 printed: equal optimizer steps and equal responses per step (OPSD samples ``rollout.n`` responses to
 each of ``rollout.prompts_per_step`` problems; GRPO and mixed sample ``grpo_n`` to each of fewer
@@ -13,6 +14,13 @@ where it stopped: a finished method is read back, not rerun; an unfinished one r
 checkpoint (written at every evaluation). GRPO's settings come from ``OUT/tune/grpo.json`` when
 `opsd compare --tune grpo` has chosen them (by training reward on seeds that are not reported), and
 from the config otherwise.
+
+The report (compare.md, :func:`format_table`): per method and for the base model, strict accuracy
+(eval.grader) with a 95% Wilson interval over the held-out problems, lenient accuracy
+(eval.lenient_grader), mean response length, truncation, repetition (:func:`repetition_rate`),
+held-out divergence and the cost of reaching its best evaluation; underneath, the teacher's ceiling
+(:func:`teacher_ceiling`). SFT's targets are the worked solutions, a GSM8K ``#### N`` ending rewritten
+as ``\\boxed{N}`` (:func:`opsd.data.controls.boxed_target`).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ METHODS: dict[str, str] = {
     "sft": "SFT on the solutions",
     "control_a": "control A: teacher without the solution",
     "control_b": "control B: teacher with another problem's solution",
+    "control_wrong": "wrong-answer control: teacher with its solution's final answer made wrong",
 }
 NOTES = {
     "control_a": "with teacher.mode=fixed its teacher is the initial student reading the same prompt: "
@@ -86,10 +95,16 @@ class GRPOSettings:
 @dataclass
 class EvalPoint:
     step: int
-    accuracy: float
+    accuracy: float  # eval.grader (strict), mean over problems x eval.k samples
     generated_tokens: int  # rollout tokens sampled so far; 0 for SFT
     train_seconds: float  # training wall time so far, evaluations excluded
     divergence: float | None = None  # held-out divergence (eval.divergence)
+    lenient: float | None = None  # eval.lenient_grader's accuracy; None without one
+    problems: int = 0  # held-out problems evaluated (0: not recorded)
+    resp_len: float | None = None  # mean response tokens
+    truncated: float | None = None  # share of responses cut at eval.max_new_tokens
+    repetition: float | None = None  # mean share of repeated word 4-grams (:func:`repetition_rate`)
+    teacher_tokens: int = 0  # response tokens the teacher scored so far; 0 for GRPO and SFT
 
 
 @dataclass
@@ -113,6 +128,8 @@ def method_overrides(method: str, grpo: GRPOSettings, distill_coef: float, budge
         return ["objective=opsd", "teacher.privileged=false"]
     if method == "control_b":
         return ["objective=opsd", "teacher.solution_source=other"]
+    if method == "control_wrong":
+        return ["objective=opsd", "teacher.solution_source=wrong_answer"]
     if method == "grpo":
         return grpo.overrides(budget)
     if method == "mixed":
@@ -155,6 +172,7 @@ def run_trainer_method(
     budget: Budget,
     base: EvalPoint | None,
     progress: bool,
+    ceiling: Path | None = None,
 ) -> MethodRun:
     """OPSD, GRPO, mixed or a control: the Trainer with the method's overrides, evaluated every
     ``budget.eval_every`` steps; resumes from the last checkpoint when the run directory has one."""
@@ -184,11 +202,15 @@ def run_trainer_method(
     try:
         if not run.points:
             run.points.append(base or _evaluate(trainer, 0, 0, 0.0))
+            _write_points(log, run.points)
+        if ceiling is not None and not ceiling.is_file():
+            ceiling.write_text(json.dumps(teacher_ceiling(trainer), indent=2))
         while True:
             on_grid = trainer.step_num % budget.eval_every == 0 or trainer.step_num == budget.steps
             if run.final.step < trainer.step_num and on_grid:  # trained (or resumed) to an evaluation
-                tokens, seconds = _spent(run_dir / "metrics.jsonl", per_step)
-                run.points.append(_evaluate(trainer, trainer.step_num, tokens, seconds))
+                tokens, seconds, scored = _spent(run_dir / "metrics.jsonl", per_step)
+                scored = 0 if method == "grpo" else scored  # GRPO alone has no teacher
+                run.points.append(_evaluate(trainer, trainer.step_num, tokens, seconds, scored))
                 _write_points(log, run.points)
                 _say(progress, f"seed {seed} {method} step {trainer.step_num}: {_point_text(run.final)}")
             if trainer.step_num >= budget.steps:
@@ -207,22 +229,124 @@ def run_trainer_method(
     return run
 
 
-def _spent(metrics_path: Path, responses_per_step: int) -> tuple[int, float]:
-    """Generated tokens and training seconds so far, from the run's own step records (a resumed
-    run's records end at its checkpoint, so these count every step once)."""
-    tokens, seconds = 0, 0.0
+def _spent(metrics_path: Path, responses_per_step: int) -> tuple[int, float, int]:
+    """Generated tokens, training seconds and the tokens the loss scored (the teacher's, for a method
+    with one) so far, from the run's own step records (a resumed run's records end at its checkpoint,
+    so these count every step once)."""
+    tokens, seconds, scored = 0, 0.0, 0
     for line in metrics_path.read_text().splitlines():
         rec = json.loads(line)
         if "time_step" in rec:
             tokens += round(rec["resp_len_mean"] * responses_per_step)
             seconds += rec["time_step"]
-    return tokens, seconds
+            scored += int(rec.get("tokens", 0))
+    return tokens, seconds, scored
 
 
-def _evaluate(trainer, step: int, tokens: int, seconds: float) -> EvalPoint:
-    rec = trainer.evaluate()
-    k = trainer.cfg.eval.k
-    return EvalPoint(step, rec[f"eval/avg@{k}"], tokens, seconds, rec.get("eval/divergence"))
+def _evaluate(trainer, step: int, tokens: int, seconds: float, teacher_tokens: int = 0) -> EvalPoint:
+    """The trainer's held-out evaluation (its grader, engine and settings), read response by response:
+    the strict accuracy, the lenient one, length, truncation, repetition, and the held-out divergence."""
+    from opsd.distributed import rank_seed
+    from opsd.eval import evaluate_sharded
+
+    cfg, e = trainer.cfg, trainer.cfg.eval
+    res = evaluate_sharded(
+        trainer.model,
+        trainer.tokenizer,
+        trainer.eval_examples,
+        rank=trainer.rank,
+        world=trainer.world,
+        k=e.k,
+        temperature=e.temperature,
+        max_new_tokens=e.max_new_tokens,
+        instruction=cfg.data.instruction,
+        enable_thinking=cfg.data.student_thinking,
+        seed=rank_seed(cfg.seed, trainer.rank),
+        engine=trainer.engine,
+        grader=trainer.eval_grader,
+    )
+    trainer.engine.sleep()  # as the trainer's own evaluation leaves it
+    divergence = trainer.heldout_divergence()["divergence"] if e.divergence else None
+    return EvalPoint(
+        step,
+        res.avg_at_k,
+        tokens,
+        seconds,
+        divergence,
+        lenient=_lenient(res.items, e.lenient_grader),
+        problems=res.num_problems,
+        resp_len=res.resp_len_mean,
+        truncated=res.truncated_frac,
+        repetition=_mean([repetition_rate(r) for it in res.items for r in it["responses"]]),
+        teacher_tokens=teacher_tokens,
+    )
+
+
+def _lenient(items: list[dict], name: str | None) -> float | None:
+    """The share of responses ``name`` (eval.lenient_grader) grades correct; None without one."""
+    if not name:
+        return None
+    from opsd.grading import as_grade, resolve_grader
+
+    grader = resolve_grader(name, "eval.lenient_grader")
+    return _mean([float(as_grade(grader(r, it["gold"])).correct) for it in items for r in it["responses"]])
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def repetition_rate(text: str, n: int = 4) -> float:
+    """The share of repeated word n-grams in one response: 1 - distinct / total (0 with fewer than n
+    words). Over words, not token ids, so that every engine and tokenizer reads it alike; a response
+    looping one phrase approaches 1."""
+    words = text.split()
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def teacher_ceiling(trainer) -> dict:
+    """The base model's held-out accuracy with each problem's worked solution in its prompt (the
+    teacher's prompt, eval.grader and eval.lenient_grader): what the teacher itself gets right, the
+    ceiling of what it can pass on. The held-out rows' data.solution_key holds their solutions."""
+    from opsd.data import load_examples
+    from opsd.eval import evaluate_model
+
+    cfg, e = trainer.cfg, trainer.cfg.eval
+    examples = trainer.eval_examples
+    if not cfg.data.solution_key:
+        return {"accuracy": None, "why": "no data.solution_key"}
+    if not e.divergence:  # the trainer loaded the held-out rows without their solutions
+        examples = load_examples(
+            e.path,
+            problem_key=cfg.data.problem_key,
+            solution_key=cfg.data.solution_key,
+            answer_key=e.answer_key,
+            require_answer=True,
+        ).examples[: e.limit]
+    if not all(ex.solution.strip() for ex in examples):
+        return {"accuracy": None, "why": f"some held-out rows have an empty {cfg.data.solution_key!r}"}
+    res = evaluate_model(
+        trainer.model,
+        trainer.tokenizer,
+        examples,
+        k=1,
+        temperature=0.0,
+        max_new_tokens=e.max_new_tokens,
+        seed=cfg.seed,
+        engine=trainer.engine,
+        grader=trainer.eval_grader,
+        prompts=[trainer.eval_prompts(i, ex)[1] for i, ex in enumerate(examples)],
+        name="teacher",
+    )
+    trainer.engine.sleep()
+    return {
+        "accuracy": res.avg_at_k,
+        "lenient": _lenient(res.items, e.lenient_grader),
+        "problems": res.num_problems,
+        "resp_len": res.resp_len_mean,
+        "truncated": res.truncated_frac,
+    }
 
 
 def run_sft_method(
@@ -234,12 +358,14 @@ def run_sft_method(
     lr: float,
     base: EvalPoint | None,
     progress: bool,
+    ceiling: Path | None = None,
 ) -> MethodRun:
     """`opsd sft`'s loop on the worked solutions of the training rows, ``responses_per_step`` rows a
     step, with the config's schedule, model, LoRA setting and dtype, evaluated like the trainer
     methods (the trainer's own evaluation, on a trainer that never steps). Unfinished, it reruns."""
     import torch
 
+    from opsd.data.controls import boxed_target
     from opsd.sft import sft, sft_pairs_from_examples
     from opsd.trainer import Trainer
 
@@ -260,7 +386,8 @@ def run_sft_method(
     o = cfg.optim
     pairs = sft_pairs_from_examples(
         trainer.tokenizer,
-        trainer.examples,
+        # GSM8K's `#### N` ending in the student's answer format (\\boxed{N}), calculator notes removed
+        [replace(ex, solution=boxed_target(ex.solution)) for ex in trainer.examples],
         instruction=cfg.data.instruction,
         enable_thinking=cfg.data.student_thinking,
         max_len=cfg.data.max_prompt_len + cfg.rollout.max_new_tokens,
@@ -278,6 +405,8 @@ def run_sft_method(
 
     try:
         run.points.append(base or _evaluate(trainer, 0, 0, 0.0))
+        if ceiling is not None and not ceiling.is_file():
+            ceiling.write_text(json.dumps(teacher_ceiling(trainer), indent=2))
         clock["since"] = time.time()  # training time: the base evaluation is not SFT's
         torch.manual_seed(seed)
         sft(
@@ -323,8 +452,12 @@ def run_compare(
     sft_lr: float | None = None,
     distill_coef: float | None = None,
     progress: bool = True,
+    ceiling: bool = False,
 ) -> dict:
     """Every method on every seed into ``out``; writes compare.json, compare.md and compare.png.
+
+    ``ceiling``: also evaluate the base model once with each held-out problem's solution in its
+    prompt (:func:`teacher_ceiling`, into ``OUT/ceiling.json``) before the first method trains.
 
     ``overrides``: dotted overrides on ``config``, or a function of the seed giving them (the demo's
     data and base model differ per seed). ``grpo_lr``: GRPO's learning rate when not tuned (default
@@ -361,20 +494,22 @@ def run_compare(
         if m in NOTES:
             _say(True, f"{METHODS[m]}: {NOTES[m]}")
     runs: list[MethodRun] = []
+    ceiling_path = out / "ceiling.json"
     for seed in seeds:
         base = None
         overrides = per_seed(seed)
         for method in methods:
             run_dir = out / f"seed{seed}" / method
             done = run_dir / "compare_method.json"
+            want = ceiling_path if ceiling and not ceiling_path.is_file() else None
             if done.is_file():  # finished earlier: read back, not rerun
                 run = _read_run(done)
             elif method == "sft":
-                run = run_sft_method(seed, config, overrides, run_dir, budget, sft_lr, base, progress)
+                run = run_sft_method(seed, config, overrides, run_dir, budget, sft_lr, base, progress, want)
             else:
                 extra = method_overrides(method, grpo, coef, budget)
                 run = run_trainer_method(
-                    method, seed, config, overrides, extra, run_dir, budget, base, progress
+                    method, seed, config, overrides, extra, run_dir, budget, base, progress, want
                 )
             done.write_text(json.dumps(asdict(run), indent=2))
             base = base or run.points[0]  # every method of a seed starts from one base evaluation
@@ -388,6 +523,7 @@ def run_compare(
         "methods": methods,
         "seeds": seeds,
         "runs": [asdict(r) for r in runs],
+        "ceiling": json.loads(ceiling_path.read_text()) if ceiling_path.is_file() else None,
     }
     (out / MARKER).write_text(json.dumps(result, indent=2))
     table = format_table(result)
@@ -554,36 +690,104 @@ def _spread(xs: list[float]) -> str:
     return f"{100 * mean:.1f}%" + (f" ± {100 * half:.1f}" if len(xs) > 1 else "")
 
 
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion ``p`` observed over ``n`` trials (here problems)."""
+    if n <= 0:
+        return (0.0, 1.0)
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def _acc(ps: list[dict]) -> str:
+    """Mean strict accuracy over seeds (± half the range), with the 95% Wilson interval over the
+    held-out problems at that mean."""
+    text = _spread([p["accuracy"] for p in ps])
+    n = ps[0].get("problems", 0)
+    if n:
+        lo, hi = wilson(sum(p["accuracy"] for p in ps) / len(ps), n)
+        text += f" [{100 * lo:.1f}, {100 * hi:.1f}]"
+    return text
+
+
+def _avg(ps: list[dict], key: str, fmt: str, scale: float = 1.0) -> str:
+    xs = [p[key] for p in ps if p.get(key) is not None]
+    return format(scale * sum(xs) / len(xs), fmt) if xs else "-"
+
+
+def _best(points: list[dict]) -> dict:
+    """The first evaluation at the run's highest strict accuracy: what reaching its best cost."""
+    return max(points, key=lambda p: (p["accuracy"], -p["step"]))
+
+
 def format_table(result: dict) -> str:
-    """Held-out accuracy (mean ± half the range over seeds), its gain over the base model, generated
-    tokens and training wall time per method; the budget and learning rates underneath."""
+    """Per method (the base model first): strict accuracy with its 95% Wilson interval over problems,
+    lenient accuracy, gain over the base model, mean response length, truncation and repetition,
+    held-out divergence, and the cost of reaching its best evaluation (step, generated tokens, tokens
+    the teacher scored, training wall time); means over seeds. The teacher's ceiling and the budget
+    underneath."""
     lines = [
-        "| method | held-out accuracy | gain | held-out divergence | generated tokens | train time | lr |",
-        "|---|---|---|---|---|---|---|",
+        "| method | accuracy [95% CI] | lenient | gain | length | truncated | repetition | divergence "
+        "| best at step | generated tokens | teacher tokens | train time | lr |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lr = result["lr"]
+    firsts = [r["points"][0] for r in result["runs"]]
+    seen_seeds, base = set(), []
+    for r, p in zip(result["runs"], firsts, strict=True):
+        if r["seed"] not in seen_seeds:
+            seen_seeds.add(r["seed"])
+            base.append(p)
+    cells = lambda ps: [  # noqa: E731
+        _acc(ps),
+        _avg(ps, "lenient", ".1f", 100),
+        None,
+        _avg(ps, "resp_len", ".0f"),
+        _avg(ps, "truncated", ".1%"),
+        _avg(ps, "repetition", ".1%"),
+        _avg(ps, "divergence", ".4f"),
+    ]
+    row = cells(base)
+    lines.append(f"| base model | {row[0]} | {row[1]} | - | {' | '.join(row[3:])} | 0 | 0 | 0 | 0 s | - |")
     for m in result["methods"]:
         runs = _runs(result, m)
         final = [r["points"][-1] for r in runs]
+        best = [_best(r["points"]) for r in runs]
         gains = [r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in runs]
-        divs = [p["divergence"] for p in final if p["divergence"] is not None]
-        div = f"{sum(divs) / len(divs):.4f}" if divs else "-"
-        tokens = sum(p["generated_tokens"] for p in final) / len(final)
-        secs = sum(p["train_seconds"] for p in final) / len(final)
+        row = cells(final)
+        row[2] = f"{100 * sum(gains) / len(gains):+.1f}"
         rate = lr["sft"] if m == "sft" else lr["grpo"] if m in ("grpo", "mixed") else lr["opsd"]
-        acc = _spread([p["accuracy"] for p in final])
-        lines.append(
-            f"| {METHODS[m]} | {acc} | {100 * sum(gains) / len(gains):+.1f} | {div} | {tokens:,.0f} "
-            f"| {secs:.0f} s | {rate:.3g} |"
-        )
-    base = [r["points"][0]["accuracy"] for r in result["runs"]]
+        cost = [
+            _avg(best, "step", ".0f"),
+            _avg(best, "generated_tokens", ",.0f"),
+            _avg(best, "teacher_tokens", ",.0f"),
+            _avg(best, "train_seconds", ".0f") + " s",
+        ]
+        lines.append(f"| {METHODS[m]} | {' | '.join(row)} | {' | '.join(cost)} | {rate:.3g} |")
     b = result["budget"]
     lines += [
         "",
-        f"Base model: {_spread(base)} held-out accuracy. Seeds {result['seeds']}; {b['steps']} steps, "
-        f"{b['responses_per_step']} responses per step; GRPO {result['grpo']} ({result['grpo_source']}); "
-        f"mixed: grpo.distill_coef={result['distill_coef']}.",
+        f"Base model: {_spread([p['accuracy'] for p in base])} held-out accuracy. Seeds {result['seeds']}; "
+        f"{b['steps']} steps, {b['responses_per_step']} responses per step; GRPO {result['grpo']} "
+        f"({result['grpo_source']}); mixed: grpo.distill_coef={result['distill_coef']}.",
     ]
+    ceiling = result.get("ceiling")
+    if ceiling and ceiling.get("accuracy") is not None:
+        lenient = "" if ceiling.get("lenient") is None else f", lenient {100 * ceiling['lenient']:.1f}%"
+        lo, hi = wilson(ceiling["accuracy"], ceiling["problems"])
+        lines.append(
+            f"Teacher's ceiling (the base model with each held-out solution in its prompt): "
+            f"{100 * ceiling['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}]{lenient}."
+        )
+    elif ceiling:
+        lines.append(f"Teacher's ceiling: not measured ({ceiling.get('why')}).")
+    lines.append(
+        "accuracy: eval.grader over problems x eval.k, [95% Wilson interval over the problems]; lenient: "
+        "eval.lenient_grader; length: mean response tokens; truncated: share cut at eval.max_new_tokens; "
+        "repetition: mean share of repeated word 4-grams per response; best at step: the first evaluation "
+        "at the run's highest accuracy, and what reaching it cost (teacher tokens: response tokens the "
+        "teacher scored; 0 for GRPO and SFT)."
+    )
     return "\n".join(lines)
 
 
@@ -648,6 +852,11 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tune-seeds", type=_ints, default=[1000, 1001], help="seeds for --tune (not reported)")
     p.add_argument("--tune-steps", type=int, default=100, help="steps per tuning run")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--no-ceiling",
+        action="store_true",
+        help="skip the teacher's ceiling: one evaluation of the base model with the held-out solutions",
+    )
 
 
 def run_compare_command(args: argparse.Namespace) -> int:
@@ -686,6 +895,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
         sft_lr=args.sft_lr,
         distill_coef=args.distill_coef,
         progress=not args.no_progress,
+        ceiling=not args.no_ceiling,
     )
     finals = [r["points"][-1]["accuracy"] for r in result["runs"]]
     if any(math.isnan(a) for a in finals):

@@ -377,8 +377,12 @@ class TeacherConfig(_Section):
         None, description="mode=external: the teacher model (its tokenizer must be the student's)."
     )
     privileged: bool = Field(True, description="Put the reference solution in the teacher's prompt.")
-    solution_source: Literal["own", "other"] = Field(
-        "own", description="own: each problem's solution; other: the next row's (a control)."
+    solution_source: Literal["own", "other", "wrong_answer"] = Field(
+        "own",
+        description="own: each problem's solution; other: the next row's (control B); wrong_answer: its own "
+        "with the final answer (`#### N`, `\\boxed{N}`, the last worked line's result) replaced by N + 1, "
+        "the gold answer unchanged; rows without a detectable final answer are refused and counted "
+        "(data_report.json: wrong_answer_refused).",
     )
     frozen_copy: Literal["device", "cpu", "none"] = Field(
         "device",
@@ -413,7 +417,7 @@ class GRPOConfig(_Section):
 
     grader: str = Field(
         "math",
-        description="The reward's grader: a name from opsd.grading.GRADERS (math, lenient) or "
+        description="The reward's grader: a name from opsd.grading.GRADERS (math, lenient, last_number) or "
         "`package.module:function`.",
     )
     scale_rewards: bool = Field(
@@ -531,7 +535,12 @@ class EvalConfig(_Section):
     answer_key: str = Field("answer", description="The held-out rows' field holding the final answer.")
     grader: str = Field(
         "math",
-        description="A name from opsd.grading.GRADERS (math, lenient) or `package.module:function`.",
+        description="A name from opsd.grading.GRADERS (math, lenient, last_number) or `package.module:function`.",
+    )
+    lenient_grader: str | None = Field(
+        None,
+        description="`opsd compare`: a second grader reported beside eval.grader, e.g. last_number (the "
+        "\\boxed{} answer, else the response's last number); null: none.",
     )
     divergence: bool = Field(
         False,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,8 +187,28 @@ def grade_lenient(response: str, gold: str) -> Grade:
         return Grade(False, None, f"lenient grading failed: {type(e).__name__}: {str(e)[:200]}")
 
 
+_LAST_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def grade_last_number(response: str, gold: str) -> Grade:
+    """:func:`grade` where the response has a \\boxed{} answer, else its last number (thousands separators
+    dropped) compared numerically with the gold answer: the lenient reading of a numeric answer (GSM8K)
+    for a model that does not box it. Never raises."""
+    if extract_boxed(response) is not None:
+        return grade(response, gold)
+    numbers = _LAST_NUMBER.findall(response[-4 * MAX_ANSWER_CHARS :])
+    if not numbers:
+        return Grade(correct=False, extracted=None, error=None)
+    last = numbers[-1].replace(",", "")
+    try:
+        correct = float(last) == float(normalize_gold(gold).replace(",", "").strip().lstrip("$"))
+    except ValueError:
+        return Grade(False, last, f"gold answer {normalize_gold(gold)[:100]!r} is not a number")
+    return Grade(correct=correct, extracted=last, error=None)
+
+
 # The graders by name: `opsd eval`'s `grader` key (and the GRPO reward's `grpo.grader`) use these names.
-GRADERS: dict[str, Grader] = {"math": grade, "lenient": grade_lenient}
+GRADERS: dict[str, Grader] = {"math": grade, "lenient": grade_lenient, "last_number": grade_last_number}
 
 
 def resolve_grader(name: str, key: str) -> Callable[[str, str], Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +20,9 @@ from torch import nn
 from opsd import cpu, distributed, models, parallel, precision
 from opsd.config import Config
 from opsd.data import DataCursor, Example, load_examples
+from opsd.data.controls import apply_solution_source
 from opsd.engines import make_engine
+from opsd.errors import UserError
 from opsd.metrics import MetricsWriter
 from opsd.optim import make_optimizer
 from opsd.rundir import record_config
@@ -52,17 +54,25 @@ def load_data(cfg: Config, *, privileged: bool, needs_answers: bool, rank: int, 
         drop_empty_solution=d.drop_empty_solution,
         require_answer=needs_answers,
     )
-    examples = loaded.examples
-    if cfg.teacher.solution_source == "other":
-        # A control: each problem comes with the next row's solution.
-        examples = [
-            replace(ex, solution=examples[(i + 1) % len(examples)].solution) for i, ex in enumerate(examples)
-        ]
+    # The controls (teacher.solution_source other, wrong_answer): what the teacher reads instead.
+    examples, refused = apply_solution_source(loaded.examples, cfg.teacher.solution_source)
+    if not examples:
+        raise UserError(
+            f"{d.path}: teacher.solution_source=wrong_answer refused all {refused} rows: no solution has a "
+            "final answer to replace (`#### N` or \\boxed{N})"
+        )
+    if refused and rank == 0:
+        print(
+            f"data: teacher.solution_source=wrong_answer refused {refused} rows of {d.path} without a "
+            "detectable final answer (data_report.json: wrong_answer_refused)",
+            file=sys.stderr,
+        )
     report = {
         "rows": len(loaded.examples),
         "skipped_bad": loaded.skipped_bad,
         "empty_solution": loaded.empty_solution,
         "dropped_empty": loaded.dropped_empty,
+        "wrong_answer_refused": refused,
     }
     cursor = DataCursor(len(examples), seed=cfg.seed, rank=rank, world_size=world, shuffle=d.shuffle)
     e = cfg.eval

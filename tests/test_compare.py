@@ -25,7 +25,13 @@ def assets(tmp_path_factory):
         for x in range(4)
     ]
     (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return a | {"heldout": str(root / "heldout.jsonl")}
+    # Boxed final answers: the wrong-answer control has one to replace in every row.
+    train = [
+        {"problem": f"What is {x} + 4?", "solution": f"{x} + 4 = \\boxed{{{x + 4}}}.", "answer": str(x + 4)}
+        for x in range(8)
+    ]
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    return a | {"heldout": str(root / "heldout.jsonl"), "data": str(root / "train.jsonl")}
 
 
 def _overrides(assets) -> list[str]:
@@ -55,13 +61,19 @@ def _overrides(assets) -> list[str]:
 def test_every_method_at_one_budget(assets, tmp_path):
     out = tmp_path / "cmp"
     methods = list(compare.METHODS)
+    overrides = [*_overrides(assets), "eval.lenient_grader=last_number"]
     result = compare.run_compare(
-        None, _overrides(assets), out, methods=methods, seeds=[0], steps=2, eval_every=1, progress=False
+        None, overrides, out, methods=methods, seeds=[0], steps=2, eval_every=1, progress=False, ceiling=True
     )
     assert json.loads((out / "compare.json").read_text())["methods"] == methods
     assert (out / "compare.png").stat().st_size > 0
     table = (out / "compare.md").read_text()
     assert all(compare.METHODS[m] in table for m in methods)
+    assert "| base model |" in table and "Teacher's ceiling" in table and "95% CI" in table
+    ceiling = json.loads((out / "ceiling.json").read_text())
+    assert ceiling["problems"] == 2 and 0 <= ceiling["accuracy"] <= 1 and ceiling["lenient"] is not None
+    report = json.loads((out / "seed0" / "control_wrong" / "data_report.json").read_text())
+    assert report["wrong_answer_refused"] == 0 and report["rows"] == 8
     runs = {r["method"]: r for r in result["runs"]}
     base = runs["opsd"]["points"][0]
     for m in methods:
@@ -69,6 +81,10 @@ def test_every_method_at_one_budget(assets, tmp_path):
         assert [p["step"] for p in points] == [0, 1, 2]
         assert points[0] == base  # one base evaluation per seed, shared
         assert all(p["divergence"] is None or p["divergence"] >= 0 for p in points)
+        assert all(p["problems"] == 2 and p["lenient"] is not None for p in points)
+        assert all(
+            0 <= p["repetition"] <= 1 and 0 <= p["truncated"] <= 1 and p["resp_len"] > 0 for p in points
+        )
         if m != "sft":  # a trainer run directory that `opsd report` reads
             assert (out / "seed0" / m / "metrics.jsonl").is_file()
     # Equal responses per step: OPSD 2 problems x 2, GRPO 1 problem x 4 samples.
@@ -79,6 +95,68 @@ def test_every_method_at_one_budget(assets, tmp_path):
     )
     # Control A's teacher is the initial student on the same prompt: zero gradient, so no movement.
     assert runs["control_a"]["points"][-1]["accuracy"] == base["accuracy"]
+
+
+def test_teacher_tokens_count_where_a_teacher_scores(assets, tmp_path):
+    # Without eval.divergence the ceiling reads the held-out solutions itself.
+    overrides = [*_overrides(assets), "eval.divergence=false"]
+    result = compare.run_compare(
+        None,
+        overrides,
+        tmp_path / "cmp",
+        ceiling=True,
+        methods=["opsd", "grpo"],
+        seeds=[0],
+        steps=1,
+        eval_every=1,
+        progress=False,
+    )
+    runs = {r["method"]: r["points"][-1] for r in result["runs"]}
+    assert runs["opsd"]["teacher_tokens"] > 0 and runs["grpo"]["teacher_tokens"] == 0
+    assert result["ceiling"]["problems"] == 2 and result["ceiling"]["lenient"] is None
+
+
+def test_wilson_interval_and_repetition_rate():
+    lo, hi = compare.wilson(0.5, 200)
+    assert lo == pytest.approx(0.4314, abs=1e-3) and hi == pytest.approx(0.5686, abs=1e-3)
+    assert compare.wilson(0.0, 200)[0] == 0.0 and 0 < compare.wilson(0.0, 200)[1] < 0.02
+    assert compare.repetition_rate("a b c d e f") == 0.0
+    assert compare.repetition_rate("x y z w " * 10) == pytest.approx(1 - 4 / 37)
+    assert compare.repetition_rate("too short") == 0.0
+
+
+def test_the_table_reads_older_points_and_marks_the_best():
+    def point(step, acc, **kw):
+        return {
+            "step": step,
+            "accuracy": acc,
+            "generated_tokens": 10 * step,
+            "train_seconds": float(step),
+            "divergence": None,
+            **kw,
+        }
+
+    result = {
+        "methods": ["opsd"],
+        "seeds": [0],
+        "lr": {"opsd": 1e-5, "sft": 1e-5, "grpo": 1e-5},
+        "budget": {"steps": 4, "responses_per_step": 4, "eval_every": 2},
+        "grpo": {},
+        "grpo_source": "config",
+        "distill_coef": 1.0,
+        "runs": [
+            {
+                "method": "opsd",
+                "seed": 0,
+                "points": [point(0, 0.1), point(2, 0.4, problems=200), point(4, 0.4, problems=200)],
+            }
+        ],
+        "ceiling": {"accuracy": 0.9, "lenient": 0.95, "problems": 200},
+    }
+    table = compare.format_table(result)
+    row = next(x for x in table.splitlines() if x.startswith("| OPSD"))
+    assert "40.0% [33.5, 46.9]" in row and "+30.0" in row and "| 2 | 20 |" in row
+    assert "Teacher's ceiling" in table and "90.0% [85.1, 93.4], lenient 95.0%" in table
 
 
 def test_a_comparison_resumes_without_rerunning_finished_methods(assets, tmp_path, monkeypatch):

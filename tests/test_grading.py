@@ -219,4 +219,23 @@ def test_grade_lenient(response: str, gold: str, expected: bool) -> None:
 
 
 def test_graders_by_name() -> None:
-    assert GRADERS == {"math": grade, "lenient": grade_lenient}
+    from opsd.grading import grade_last_number
+
+    assert GRADERS == {"math": grade, "lenient": grade_lenient, "last_number": grade_last_number}
+
+
+def test_last_number_grader_reads_boxed_strictly_then_the_last_number():
+    from opsd.grading import GRADERS, grade_last_number
+
+    gold = "Natalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+    assert GRADERS["last_number"] is grade_last_number
+    assert grade_last_number("so she sold \\boxed{72} clips", gold).correct
+    # A boxed answer is the answer: a later number does not rescue a wrong one.
+    assert not grade_last_number("\\boxed{71}, not 72", gold).correct
+    assert grade_last_number("48 + 24 = 72 clips. The answer is 72.", gold).correct
+    assert grade_last_number("It costs $1,200.", "#### 1200").correct
+    assert grade_last_number("That gives 72.0", gold).correct
+    assert not grade_last_number("The answer is 27.", gold).correct
+    none = grade_last_number("I do not know.", gold)
+    assert not none.correct and none.extracted is None
+    assert grade_last_number("12", "\\frac{1}{2}").error  # a non-numeric gold: recorded, not raised

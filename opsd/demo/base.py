@@ -178,7 +178,7 @@ def load_shipped_weights(seed: int, path: Path | None = None) -> dict[str, torch
 
     path = path or shipped_path(seed)
     if not path.is_file():
-        raise UserError(f"the shipped demo base {path} is missing; reinstall opsd (pip install -e .)")
+        raise UserError(f"the shipped demo base {path} is missing; reinstall opsd")
     got, want = file_sha256(path), SHIPPED[seed]
     if got != want:
         raise UserError(

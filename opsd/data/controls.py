@@ -1,0 +1,150 @@
+"""What the teacher reads in place of each problem's own solution (``teacher.solution_source``), and the
+GSM8K worked solution rewritten as an SFT target in the student's answer format.
+
+* ``own``: the row's solution, unchanged.
+* ``other`` (control B): the next row's solution.
+* ``wrong_answer``: the row's own solution with its final answer replaced by a wrong value
+  (:func:`wrong_answer_solution`): every ``#### N``, every ``\\boxed{N}`` and, on the last worked line,
+  the calculator note's result and the number after it (``<<48+24=72>>72``) and a result written
+  after ``=`` without a note (``20/4 = $5``). A numeric N becomes N + 1
+  (as many decimals as N, thousands separators kept); a non-numeric one (``\\frac{1}{2}``) becomes the
+  final answer of the nearest following row that differs. The gold answer (``Example.answer``) is
+  unchanged. A row whose solution has no detectable final answer (no ``####`` and no ``\\boxed{}``) is
+  refused and counted, never kept with its true answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import replace
+
+from opsd.data.sources import Example
+
+SOLUTION_SOURCES = ("own", "other", "wrong_answer")
+_HASHES = re.compile(r"####[ \t]*\$?[ \t]*(-?[\d,]*\.?\d+)")
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+_RESULT = re.compile(r"(=[ \t]*\$?[ \t]*)(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)(?![\d.,]*\d)")
+_NOTE = re.compile(r"<<([^<>]*)=([^<>=]*)>>(\s*\$?\s*)(-?[\d,]*\.?\d+)?")
+
+
+def final_answer(solution: str) -> str | None:
+    """The solution's final answer: the number after its last ``####`` (GSM8K), else its last
+    ``\\boxed{}`` content (MATH); None when it has neither."""
+    from opsd.grading import extract_boxed
+
+    hashes = _HASHES.findall(solution)
+    if hashes:
+        return hashes[-1]
+    boxed = extract_boxed(solution)
+    return boxed.strip() if boxed and boxed.strip() else None
+
+
+def _as_number(text: str) -> float | None:
+    text = text.strip().strip("$").strip()
+    if not _NUMBER.fullmatch(text):
+        return None
+    return float(text.replace(",", ""))
+
+
+def _plus_one(text: str) -> str:
+    """``text`` (a number as written) + 1, with as many decimals and its thousands separators."""
+    bare = text.strip().strip("$").strip()
+    decimals = len(bare.split(".", 1)[1]) if "." in bare else 0
+    value = float(bare.replace(",", "")) + 1
+    return f"{value:{',' if ',' in bare else ''}.{decimals}f}"
+
+
+def wrong_value(answer: str, alternatives: Iterable[str] = ()) -> str | None:
+    """The wrong value that replaces ``answer``: N + 1 for a number, else the first alternative that
+    differs from it; None when there is none."""
+    if _as_number(answer) is not None:
+        return _plus_one(answer)
+    key = "".join(answer.split())
+    return next((a for a in alternatives if "".join(a.split()) != key), None)
+
+
+def wrong_answer_solution(solution: str, alternatives: Iterable[str] = ()) -> str | None:
+    """``solution`` with every occurrence of its final answer (:func:`final_answer`) replaced by
+    :func:`wrong_value`; None when it has no detectable final answer (the row is then refused)."""
+    answer = final_answer(solution)
+    if answer is None:
+        return None
+    wrong = wrong_value(answer, alternatives)
+    if wrong is None:
+        return None
+    number = _as_number(answer)
+
+    def same(text: str) -> bool:
+        if number is not None:
+            return _as_number(text) == number
+        return "".join(text.split()) == "".join(answer.split())
+
+    out = _HASHES.sub(lambda m: m.group(0)[: m.start(1) - m.start(0)] + wrong, solution)
+    out = _replace_boxed(out, same, wrong)
+    lines = out.split("\n")
+    worked = [i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("####")]
+    if worked:  # the last worked line's calculator note: <<48+24=72>>72
+        i = worked[-1]
+        notes = [m for m in _NOTE.finditer(lines[i]) if same(m.group(2))]
+        if notes:
+            m = notes[-1]
+            tail = "" if m.group(4) is None else (wrong if same(m.group(4)) else m.group(4))
+            new = f"<<{m.group(1)}={wrong}>>{m.group(3)}{tail}"
+            lines[i] = lines[i][: m.start()] + new + lines[i][m.end() :]
+        # ... and a result written without a note: "20/4 = $5"
+        lines[i] = _RESULT.sub(lambda m: m.group(1) + (wrong if same(m.group(2)) else m.group(2)), lines[i])
+    out = "\n".join(lines)
+    return out if out != solution else None
+
+
+def _replace_boxed(text: str, same, wrong: str) -> str:
+    r"""Every ``\boxed{X}`` whose X is the final answer, as ``\boxed{wrong}`` (nested braces kept)."""
+    out, pos = [], 0
+    while True:
+        start = text.find("\\boxed{", pos)
+        if start < 0:
+            break
+        i, depth = start + len("\\boxed"), 0
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                break
+        else:
+            break
+        content = text[i + 1 : j]
+        out.append(text[pos : i + 1] + (wrong if same(content) else content) + "}")
+        pos = j + 1
+    return "".join(out) + text[pos:]
+
+
+def apply_solution_source(examples: list[Example], source: str) -> tuple[list[Example], int]:
+    """The examples with the solution the teacher reads under ``teacher.solution_source`` and the number
+    of rows refused (``wrong_answer`` only: rows without a detectable final answer)."""
+    if source == "own" or not examples:
+        return examples, 0
+    if source == "other":  # control B: each problem with the next row's solution
+        n = len(examples)
+        return [replace(ex, solution=examples[(i + 1) % n].solution) for i, ex in enumerate(examples)], 0
+    if source != "wrong_answer":
+        raise ValueError(f"unknown solution source {source!r}; expected one of {SOLUTION_SOURCES}")
+    finals = [final_answer(ex.solution) for ex in examples]
+    kept = []
+    for i, ex in enumerate(examples):
+        following = (finals[(i + j) % len(finals)] for j in range(1, len(finals)))
+        wrong = wrong_answer_solution(ex.solution, (f for f in following if f is not None))
+        if wrong is not None:
+            kept.append(replace(ex, solution=wrong))
+    return kept, len(examples) - len(kept)
+
+
+def boxed_target(solution: str) -> str:
+    """A GSM8K worked solution as an SFT target in the student's answer format: the calculator notes
+    (``<<48/2=24>>``) removed and the closing ``#### N`` written as ``The final answer is \\boxed{N}.``;
+    a solution without ``####`` (MATH, already boxed) is returned unchanged."""
+    if not _HASHES.search(solution):
+        return solution
+    text = re.sub(r"<<[^<>]*>>", "", solution)
+    body, _, tail = text.rpartition("####")
+    answer = _HASHES.match("####" + tail).group(1).replace(",", "")
+    return f"{body.rstrip()}\nThe final answer is \\boxed{{{answer}}}."
