@@ -535,7 +535,8 @@ class EvalConfig(_Section):
     answer_key: str = Field("answer", description="The held-out rows' field holding the final answer.")
     grader: str = Field(
         "math",
-        description="A name from opsd.grading.GRADERS (math, lenient, last_number) or `package.module:function`.",
+        description="A name from opsd.grading.GRADERS (math, lenient, last_number) or "
+        "`package.module:function`.",
     )
     lenient_grader: str | None = Field(
         None,

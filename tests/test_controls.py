@@ -45,6 +45,14 @@ def test_gsm8k_final_answer_is_wrong_everywhere_it_appears():
     )
 
 
+def test_the_answer_in_words_changes_and_operands_stay():
+    prose = "He eats 48 pieces because 32 + 16 = <<32+16=48>>48\n#### 48"
+    assert wrong_answer_solution(prose) == "He eats 49 pieces because 32 + 16 = <<32+16=49>>49\n#### 49"
+    operand = "The number left is 160-80 = <<160-80=80>>80\n#### 80"
+    assert wrong_answer_solution(operand) == "The number left is 160-80 = <<160-80=81>>81\n#### 81"
+    assert wrong_answer_solution("x = <<8=8>>8 years old\n#### 8") == "x = <<9=9>>9 years old\n#### 9"
+
+
 def test_math_boxed_answers_are_replaced():
     assert wrong_answer_solution(MATH_NUMBER).count("\\boxed{6}") == 2
     assert "\\boxed{5}" not in wrong_answer_solution(MATH_NUMBER)

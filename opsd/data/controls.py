@@ -5,8 +5,9 @@ GSM8K worked solution rewritten as an SFT target in the student's answer format.
 * ``other`` (control B): the next row's solution.
 * ``wrong_answer``: the row's own solution with its final answer replaced by a wrong value
   (:func:`wrong_answer_solution`): every ``#### N``, every ``\\boxed{N}`` and, on the last worked line,
-  the calculator note's result and the number after it (``<<48+24=72>>72``) and a result written
-  after ``=`` without a note (``20/4 = $5``). A numeric N becomes N + 1
+  the calculator note's result and the number after it (``<<48+24=72>>72``), a result written
+  after ``=`` without a note (``20/4 = $5``), and the answer stated in words (``He eats 48 pieces
+  because ...``; a number next to an operator is an operand and kept). A numeric N becomes N + 1
   (as many decimals as N, thousands separators kept); a non-numeric one (``\\frac{1}{2}``) becomes the
   final answer of the nearest following row that differs. The gold answer (``Example.answer``) is
   unchanged. A row whose solution has no detectable final answer (no ``####`` and no ``\\boxed{}``) is
@@ -25,6 +26,8 @@ SOLUTION_SOURCES = ("own", "other", "wrong_answer")
 _HASHES = re.compile(r"####[ \t]*\$?[ \t]*(-?[\d,]*\.?\d+)")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 _RESULT = re.compile(r"(=[ \t]*\$?[ \t]*)(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)(?![\d.,]*\d)")
+_STANDALONE = re.compile(r"(?<![\w.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\w]|[.,]\d)")
+_OPERATORS = set("+-*/x×÷=–−")
 _NOTE = re.compile(r"<<([^<>]*)=([^<>=]*)>>(\s*\$?\s*)(-?[\d,]*\.?\d+)?")
 
 
@@ -90,12 +93,30 @@ def wrong_answer_solution(solution: str, alternatives: Iterable[str] = ()) -> st
         if notes:
             m = notes[-1]
             tail = "" if m.group(4) is None else (wrong if same(m.group(4)) else m.group(4))
-            new = f"<<{m.group(1)}={wrong}>>{m.group(3)}{tail}"
+            expr = wrong if same(m.group(1)) else m.group(1)  # <<24=24>>24: the expression is N
+            new = f"<<{expr}={wrong}>>{m.group(3)}{tail}"
             lines[i] = lines[i][: m.start()] + new + lines[i][m.end() :]
         # ... and a result written without a note: "20/4 = $5"
         lines[i] = _RESULT.sub(lambda m: m.group(1) + (wrong if same(m.group(2)) else m.group(2)), lines[i])
+        lines[i] = _prose(lines[i], same, wrong)
     out = "\n".join(lines)
     return out if out != solution else None
+
+
+def _prose(line: str, same, wrong: str) -> str:
+    """The answer stated in words on the last worked line ("He eats 48 pieces because ..."): every
+    standalone number equal to it, outside calculator notes and not an operand (next to + - * / x)."""
+    parts = re.split(r"(<<[^<>]*>>)", line)
+    for k in range(0, len(parts), 2):  # the even parts lie outside the notes
+        text = parts[k]
+
+        def swap(m: re.Match, text: str = text) -> str:
+            before, after = text[: m.start()].rstrip()[-1:], text[m.end() :].lstrip()[:1]
+            operand = before in _OPERATORS or after in _OPERATORS
+            return wrong if same(m.group(0)) and not operand else m.group(0)
+
+        parts[k] = _STANDALONE.sub(swap, text)
+    return "".join(parts)
 
 
 def _replace_boxed(text: str, same, wrong: str) -> str:
