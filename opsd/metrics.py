@@ -194,12 +194,19 @@ def write_samples(
 
 
 class StepTimer:
-    """Accumulates wall time per phase of a step (rollout, teacher, student, loss, optim)."""
+    """Accumulates wall time per phase of a step (rollout, teacher, student, loss, optim).
+
+    With ``sync`` (CUDA) each phase ends with one synchronization, so its time is the GPU's; the
+    step's first phase also starts with one. The phases of a step follow each other, so the next
+    phase starts where the last one's synchronization left the queue empty: 4 synchronizations a
+    micro-batch (teacher, student forward, loss, backward), not 8. GPU work queued between phases
+    counts towards the next one."""
 
     def __init__(self, sync: bool = False) -> None:
         self.times: dict[str, float] = {}
         self.sync = sync
         self.started = time.perf_counter()
+        self._queue_empty = False  # a synchronization ended the last phase
 
     @classmethod
     def for_step(cls, device: torch.device) -> StepTimer:
@@ -214,7 +221,7 @@ class StepTimer:
 
     @contextmanager
     def __call__(self, name: str):
-        if self.sync:
+        if self.sync and not self._queue_empty:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
@@ -222,6 +229,7 @@ class StepTimer:
         finally:
             if self.sync:
                 torch.cuda.synchronize()
+                self._queue_empty = True
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 

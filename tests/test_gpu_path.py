@@ -362,3 +362,21 @@ def test_token_logprobs_cast_a_bf16_head_a_block_at_a_time(monkeypatch):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5)
     torch.testing.assert_close(got, whole, rtol=0, atol=1e-6)  # the blocks change no number beyond rounding
+
+
+def test_step_timer_synchronizes_once_a_phase(monkeypatch):
+    """On CUDA a phase ends with one synchronization and the step's first phase also starts with one:
+    a micro-batch's four phases cost four, not eight (the next phase starts on an empty queue)."""
+    from opsd.metrics import StepTimer
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append(1))
+    timer = StepTimer(sync=True)
+    for _ in range(2):  # two micro-batches
+        for phase in ("teacher", "student", "loss", "student"):
+            with timer(phase):
+                pass
+    assert len(calls) == 1 + 8
+    assert set(timer.times) == {"teacher", "student", "loss"}
+    StepTimer(sync=False)("loss").__enter__()  # a CPU timer never synchronizes
+    assert len(calls) == 9
