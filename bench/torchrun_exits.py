@@ -3,7 +3,7 @@
 Not a timing benchmark: it counts runs that exit non-zero or print a traceback or a C++ abort
 ("terminate called ...") although training finished. A scheduler retries or pages on such a run.
 Each run is 3 steps with two checkpoints, like the suite's torchrun test. Writes its section of
-docs/benchmarks.md with the machine and the load before and after.
+docs/results.md with the machine and the load before and after.
 
     python bench/torchrun_exits.py            # 20 runs, about 10 minutes on 2 cores
     python bench/torchrun_exits.py --runs 5 --no-write
@@ -71,7 +71,7 @@ def one_run(config: Path, run_dir: Path) -> tuple[int, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/results.md alone")
     args = ap.parse_args()
     load_before = _common.load_avg()
     bad: list[str] = []
@@ -100,7 +100,7 @@ def main() -> None:
         body += "\nFailures:\n\n" + "\n".join(f"- {b}" for b in bad) + "\n"
     print(body)
     if not args.no_write:
-        write_section(ROOT / "docs" / "benchmarks.md", "Clean exits of two-rank torchrun runs", body)
+        write_section(ROOT / "docs" / "results.md", "Clean exits of two-rank torchrun runs", body)
     sys.exit(1 if bad else 0)
 
 

@@ -521,7 +521,7 @@ def lora_folded(model: nn.Module, max_bytes: int) -> Iterator[bool]:
     folded: not when the copies would exceed ``max_bytes``, nor for a DoRA adapter or a sharded model.
 
     Why: decoding a few rows at a time, a LoRA projection's two extra small products and the
-    scaling cost about as much as the base product (docs/benchmarks.md, "HF engine"). The copies
+    scaling cost about as much as the base product (docs/results.md, "HF engine"). The copies
     live only while generating, when the activations of a training step are not held.
     """
     from torch.distributed.tensor import DTensor

@@ -135,7 +135,7 @@ def autocast(
     compute dtype. Their products then run in that dtype too: under autocast, with peft's cast of each
     layer's input to the adapter's float32 turned off. That cast, the float32 products and the float32
     sum and cast back after them took ~13% of a bf16 student pass of SmolLM2-135M on a 2-core AMX CPU
-    (docs/benchmarks.md). The adapters and their gradients stay float32, as AdamW needs."""
+    (docs/results.md). The adapters and their gradients stay float32, as AdamW needs."""
     if precision.mixed:
         return torch.autocast(device.type, dtype=precision.compute)
     if adapters is not None and precision.compute in HALF:

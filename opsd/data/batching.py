@@ -196,11 +196,11 @@ def make_microbatches(
     Groups come from :func:`pack_microbatches` on max(student, teacher) length (``min_real_frac``: the
     least real-token fraction of a group with more than one sample), in its order; with ``bucket``
     (the CPU plan's) the lengths are rounded up to :func:`bucket_width` first, as
-    the padded widths are, so the budget bounds what is computed. ``per_row_from`` (a CPU:
-    :func:`opsd.devices.per_row_from`): where a side's rows differ in width and the shortest has at
-    least this many tokens, each row runs a forward of its own, unpadded (or padded to its own bucket
-    width): on a CPU such a row's products are as fast as a batch's, and the padding and the attention
-    mask a batch of unequal rows costs are gone (docs/benchmarks.md, "One forward per row on a CPU"). The
+    the padded widths are, so the budget bounds what is computed. ``per_row_from`` (the CPU plan's
+    ``pack_from``): where a side's rows differ in width and the shortest has at least this many
+    tokens, the rows' widths are recorded so that they run packed into one forward, unpadded (or each
+    padded to its own bucket width): the padding and the attention mask a batch of unequal rows costs
+    are gone (docs/cpu.md, "Packed rows"). The
     weights make the sum over all ranks' micro-batches the global loss: ``token`` reduction gives every
     response token 1 / global_tokens, ``sequence`` gives a length-n response's tokens 1 / (n * global_seqs)
     (each sequence's mean, averaged over sequences).

@@ -8,7 +8,8 @@ so no autograd graph over ``[N, V]`` exists. Two kernels turn a chunk of tempere
 The gradient with respect to the student logits ``z_s = T a`` is that divided by ``T``.
 
 Precision against the float64 oracle on the same input values (the bounds ``tests/test_loss.py``
-holds, each with its error model; measured figures are in docs/benchmarks.md, "Loss precision"):
+holds, each with its error model; measured figures: docs/results.md, "Loss precision against the
+float64 oracle"):
 
 * float32 products (the default): where student and teacher nearly agree, ``S - P`` subtracts two
   nearly equal numbers, so a kept token's gradient carries the float32 rounding of its logits
@@ -453,7 +454,7 @@ def fused_linear_distill(
     arithmetic stay in float32. Six bf16 products per chunk replace four float32 ones. The loss
     stays within 1e-3 relative for ``jsd`` and ``topk``; ``sampled``'s loss value is a small
     difference of two log-probabilities and loses more. ``tests/test_loss.py`` holds the bounds;
-    docs/benchmarks.md has the measured errors.
+    docs/results.md has the measured errors.
     None (the default) keeps every product in the compute dtype.
 
     ``slab_elements``: the kernels take a chunk's products this many elements (a few rows) at a time,
