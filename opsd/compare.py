@@ -246,26 +246,11 @@ def _spent(metrics_path: Path, responses_per_step: int) -> tuple[int, float, int
 def _evaluate(trainer, step: int, tokens: int, seconds: float, teacher_tokens: int = 0) -> EvalPoint:
     """The trainer's held-out evaluation (its grader, engine and settings), read response by response:
     the strict accuracy, the lenient one, length, truncation, repetition, and the held-out divergence."""
-    from opsd.distributed import rank_seed
-    from opsd.eval import evaluate_sharded
+    from opsd.eval.heldout import heldout_accuracy
 
-    cfg, e = trainer.cfg, trainer.cfg.eval
-    res = evaluate_sharded(
-        trainer.model,
-        trainer.tokenizer,
-        trainer.eval_examples,
-        rank=trainer.rank,
-        world=trainer.world,
-        k=e.k,
-        temperature=e.temperature,
-        max_new_tokens=e.max_new_tokens,
-        instruction=cfg.data.instruction,
-        enable_thinking=cfg.data.student_thinking,
-        seed=rank_seed(cfg.seed, trainer.rank),
-        engine=trainer.engine,
-        grader=trainer.eval_grader,
-    )
-    trainer.engine.sleep()  # as the trainer's own evaluation leaves it
+    e = trainer.cfg.eval
+    parts = (trainer.model, trainer.tokenizer, trainer.eval_examples, trainer.cfg, trainer.engine)
+    res = heldout_accuracy(*parts, trainer.eval_grader, trainer.rank, trainer.world)
     divergence = trainer.heldout_divergence()["divergence"] if e.divergence else None
     return EvalPoint(
         step,

@@ -337,7 +337,7 @@ class Trainer:
         """Held-out accuracy of the live model (no privileged information) and, with ``eval.divergence``,
         the held-out divergence, sharded over ranks."""
         parts = (self.model, self.tokenizer, self.eval_examples, self.cfg, self.engine, self.eval_grader)
-        out = heldout_accuracy(*parts, self.rank, self.world)
+        out = heldout_accuracy(*parts, self.rank, self.world).metrics(prefix="eval/")
         if self.cfg.eval.divergence:
             out["eval/divergence"] = self.heldout_divergence()["divergence"]
         return out

@@ -11,7 +11,7 @@ from torch import nn
 
 from opsd.data import Example, make_sample
 from opsd.distributed import all_reduce_sum, rank_seed
-from opsd.eval.loop import evaluate_sharded
+from opsd.eval.loop import EvalResult, evaluate_sharded
 from opsd.loss import LossStats
 from opsd.microbatch import forward_backward
 from opsd.teacher import Teacher
@@ -19,9 +19,10 @@ from opsd.teacher import Teacher
 
 def heldout_accuracy(
     model: nn.Module, tokenizer, examples: list[Example], cfg, engine, grader: Callable, rank: int, world: int
-) -> dict:
+) -> EvalResult:
     """The live model's accuracy on the held-out problems, without privileged information, sharded over
-    ranks, as ``eval/``-prefixed metrics; ``engine``: the trainer's rollout engine, asleep again after."""
+    ranks (the result's figures global, its items this rank's); ``engine``: the trainer's rollout
+    engine, asleep again after."""
     e = cfg.eval
     res = evaluate_sharded(
         model,
@@ -40,7 +41,7 @@ def heldout_accuracy(
     )
     # generate() woke it: the checkpoint save and the next step run without vLLM resident
     engine.sleep()
-    return res.metrics(prefix="eval/")
+    return res
 
 
 @torch.no_grad()
