@@ -13,7 +13,8 @@ run directory of its own (``OUT/seedS/METHOD``; `opsd report` works on each). Th
 where it stopped: a finished method is read back, not rerun; an unfinished one resumes from its last
 checkpoint (written at every evaluation). GRPO's settings come from ``OUT/tune/grpo.json`` when
 `opsd compare --tune grpo` has chosen them (by training reward on seeds that are not reported), and
-from the config otherwise.
+from the config otherwise; GRPO + distillation's from ``OUT/tune/mixed.json`` (`--tune mixed`), and
+GRPO's otherwise.
 
 The report (compare.md, :func:`format_table`): per method and for the base model, strict accuracy
 (eval.grader) with a 95% Wilson interval over the held-out problems, lenient accuracy
@@ -50,7 +51,12 @@ NOTES = {
     "the divergence and the gradient are zero at step 0 and stay zero, so it cannot move by construction",
 }
 MARKER = "compare.json"  # only a directory holding it is written into again
-TUNE_FILE = Path("tune") / "grpo.json"
+TUNED = ("grpo", "mixed")  # the methods `opsd compare --tune` chooses settings for
+
+
+def tune_file(method: str) -> Path:
+    """Where `opsd compare --tune METHOD` writes its choice, relative to the comparison's directory."""
+    return Path("tune") / f"{method}.json"
 
 
 @dataclass(frozen=True)
@@ -120,8 +126,11 @@ class MethodRun:
         return self.points[-1]
 
 
-def method_overrides(method: str, grpo: GRPOSettings, distill_coef: float, budget: Budget) -> list[str]:
-    """What a trainer method changes in the user's config."""
+def method_overrides(
+    method: str, grpo: GRPOSettings, distill_coef: float, budget: Budget, mixed: GRPOSettings | None = None
+) -> list[str]:
+    """What a trainer method changes in the user's config. ``mixed``: GRPO + distillation's own
+    settings (default GRPO's)."""
     if method == "opsd":
         return ["objective=opsd"]
     if method == "control_a":
@@ -133,7 +142,7 @@ def method_overrides(method: str, grpo: GRPOSettings, distill_coef: float, budge
     if method == "grpo":
         return grpo.overrides(budget)
     if method == "mixed":
-        return [*grpo.overrides(budget), f"grpo.distill_coef={distill_coef}"]
+        return [*(mixed or grpo).overrides(budget), f"grpo.distill_coef={distill_coef}"]
     raise UserError(f"unknown method {method!r}; choose from {list(METHODS)}")
 
 
@@ -460,21 +469,20 @@ def run_compare(
     budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, eval_every or max(1, steps // 4))
     out = Path(out)
     claim_dir(out)
-    tuned = out / TUNE_FILE
-    if tuned.is_file():
-        tune = json.loads(tuned.read_text())
-        grpo = GRPOSettings(**tune["chosen"])
-        check_group_size(grpo.n, budget)
-        verdict = "" if tune["improves_on_first_step"] else "; no setting raised its training reward"
-        grpo_source = f"chosen by `opsd compare --tune grpo` on seeds {tune['seeds']} ({tuned}){verdict}"
-    else:
+    grpo, grpo_source = read_tuned(out, "grpo", budget)
+    if grpo is None:
         grpo = default_grpo(cfg, budget, min(grpo_n, budget.responses_per_step))
         grpo = replace(grpo, lr=grpo_lr or grpo.lr)
         grpo_source = "from the config (run `opsd compare --tune grpo` to choose them)"
+    mixed, mixed_source = read_tuned(out, "mixed", budget)
+    if mixed is None:
+        mixed = grpo
+        mixed_source = "GRPO's (run `opsd compare --tune mixed` to choose its own)"
     coef = distill_coef if distill_coef is not None else (cfg.grpo.distill_coef or 1.0)
     sft_lr = sft_lr or cfg.optim.lr
     _say(True, budget.describe())
-    _say(True, f"GRPO settings {asdict(grpo)}, {grpo_source}; mixed adds grpo.distill_coef={coef}")
+    _say(True, f"GRPO settings {asdict(grpo)}, {grpo_source}")
+    _say(True, f"mixed settings {asdict(mixed)}, {mixed_source}; with grpo.distill_coef={coef}")
     for m in methods:
         if m in NOTES:
             _say(True, f"{METHODS[m]}: {NOTES[m]}")
@@ -492,7 +500,7 @@ def run_compare(
             elif method == "sft":
                 run = run_sft_method(seed, config, overrides, run_dir, budget, sft_lr, base, progress, want)
             else:
-                extra = method_overrides(method, grpo, coef, budget)
+                extra = method_overrides(method, grpo, coef, budget, mixed)
                 run = run_trainer_method(
                     method, seed, config, overrides, extra, run_dir, budget, base, progress, want
                 )
@@ -503,8 +511,10 @@ def run_compare(
         "budget": asdict(budget),
         "grpo": asdict(grpo),
         "grpo_source": grpo_source,
+        "mixed": asdict(mixed),
+        "mixed_source": mixed_source,
         "distill_coef": coef,
-        "lr": {"opsd": cfg.optim.lr, "sft": sft_lr, "grpo": grpo.lr},
+        "lr": {"opsd": cfg.optim.lr, "sft": sft_lr, "grpo": grpo.lr, "mixed": mixed.lr},
         "methods": methods,
         "seeds": seeds,
         "runs": [asdict(r) for r in runs],
@@ -516,6 +526,18 @@ def run_compare(
     result["plot"] = str(plot_compare(out / "compare.png", result))
     print(table)
     return result
+
+
+def read_tuned(out: Path, method: str, budget: Budget) -> tuple[GRPOSettings | None, str]:
+    """The settings `opsd compare --tune METHOD` chose into ``out``, and where they came from."""
+    tuned = out / tune_file(method)
+    if not tuned.is_file():
+        return None, ""
+    tune = json.loads(tuned.read_text())
+    chosen = GRPOSettings(**tune["chosen"])
+    check_group_size(chosen.n, budget)
+    verdict = "" if tune["improves_on_first_step"] else "; no setting raised its training reward"
+    return chosen, f"chosen by `opsd compare --tune {method}` on seeds {tune['seeds']} ({tuned}){verdict}"
 
 
 def claim_dir(out: Path) -> None:
@@ -552,37 +574,45 @@ def run_tune(
     steps: int,
     lr: float | None = None,
     progress: bool = True,
+    method: str = "grpo",
+    distill_coef: float | None = None,
 ) -> dict:
-    """Train GRPO at each setting of :func:`tune_grid` (around ``lr``) for ``steps`` on each tuning
-    seed, without any held-out evaluation, and choose the setting with the highest mean training
-    reward over the last half of the steps. Writes ``OUT/tune/grpo.json``, which `opsd compare` then
-    uses; a setting already tried (``OUT/tune/tried.jsonl``) is not trained again."""
+    """Train ``method`` (GRPO, or GRPO + distillation at ``distill_coef``) at each setting of
+    :func:`tune_grid` (around ``lr``) for ``steps`` on each tuning seed, without any held-out
+    evaluation, and choose the setting with the highest mean training reward over the last half of
+    the steps. Writes ``OUT/tune/METHOD.json``, which `opsd compare` then uses; a setting already
+    tried (``OUT/tune/METHOD_tried.jsonl``) is not trained again."""
     from opsd.trainer import Trainer
 
     clash = sorted(set(tune_seeds) & set(reported))
     if clash:
         raise UserError(f"--tune-seeds {clash} are also reported (--seeds): tune on seeds that are not")
     per_seed = overrides if callable(overrides) else (lambda seed: overrides)
+    if method not in TUNED:
+        raise UserError(f"--tune {method}: choose from {list(TUNED)}")
     cfg = _arm_config(config, per_seed(tune_seeds[0]), [])
     budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, steps)
+    coef = distill_coef if distill_coef is not None else (cfg.grpo.distill_coef or 1.0)
+    distill = [f"grpo.distill_coef={coef}"] if method == "mixed" else []
     out = Path(out)
     claim_dir(out)
     (out / "tune").mkdir(exist_ok=True)
-    tried_path = out / "tune" / "tried.jsonl"
+    tried_path = out / "tune" / f"{method}_tried.jsonl"
     tried = [json.loads(x) for x in tried_path.read_text().splitlines()] if tried_path.is_file() else []
     results = []
     for i, setting in enumerate(tune_grid(cfg, budget, lr)):
-        key = (asdict(setting), tune_seeds, steps)
-        done = [t for t in tried if (t["setting"], t["seeds"], t["steps"]) == key]
+        key = (asdict(setting), tune_seeds, steps, distill)
+        done = [t for t in tried if (t["setting"], t["seeds"], t["steps"], t.get("distill", [])) == key]
         if done:
             results.append(done[0])
             continue
         rewards = []
         flat = []
         for seed in tune_seeds:
-            run_dir = out / "tune" / f"setting{i}_seed{seed}"
+            run_dir = out / "tune" / f"{method}_setting{i}_seed{seed}"
             extra = [
                 *setting.overrides(budget),
+                *distill,
                 f"seed={seed}",
                 f"logging.run_dir={run_dir}",
                 f"optim.max_steps={steps}",
@@ -610,6 +640,7 @@ def run_tune(
                 "setting": asdict(setting),
                 "seeds": tune_seeds,
                 "steps": steps,
+                "distill": distill,
                 "late_reward": sum(late) / len(late),
                 "first_reward": sum(first) / len(first),
                 "rewards": rewards,
@@ -618,7 +649,7 @@ def run_tune(
         )
         with tried_path.open("a") as f:
             f.write(json.dumps(results[-1]) + "\n")
-        _say(progress, f"tune {i}: {asdict(setting)} late reward {results[-1]['late_reward']:.3f}")
+        _say(progress, f"tune {method} {i}: {asdict(setting)} late reward {results[-1]['late_reward']:.3f}")
     best = max(results, key=lambda r: (r["late_reward"], -r["setting"]["lr"]))
     improves = best["late_reward"] > best["first_reward"]
     tune = {
@@ -628,7 +659,7 @@ def run_tune(
         "chosen": best["setting"],
         "improves_on_first_step": improves,
     }
-    path = out / TUNE_FILE
+    path = out / tune_file(method)
     path.write_text(json.dumps(tune, indent=2))
     verdict = "improves" if improves else "does NOT improve"
     _say(True, f"chosen {best['setting']}: its training reward {verdict} on its first step's; {path}")
@@ -741,7 +772,7 @@ def format_table(result: dict) -> str:
         gains = [r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in runs]
         row = cells(final)
         row[2] = f"{100 * sum(gains) / len(gains):+.1f}"
-        rate = lr["sft"] if m == "sft" else lr["grpo"] if m in ("grpo", "mixed") else lr["opsd"]
+        rate = lr.get(m, lr["grpo"] if m == "mixed" else lr["opsd"])
         cost = [
             _avg(best, "step", ".0f"),
             _avg(best, "generated_tokens", ",.0f"),
@@ -754,7 +785,8 @@ def format_table(result: dict) -> str:
         "",
         f"Base model: {_spread([p['accuracy'] for p in base])} held-out accuracy. Seeds {result['seeds']}; "
         f"{b['steps']} steps, {b['responses_per_step']} responses per step; GRPO {result['grpo']} "
-        f"({result['grpo_source']}); mixed: grpo.distill_coef={result['distill_coef']}.",
+        f"({result['grpo_source']}); GRPO + distillation {result.get('mixed', result['grpo'])} "
+        f"({result.get('mixed_source', 'GRPO')}) with grpo.distill_coef={result['distill_coef']}.",
     ]
     ceiling = result.get("ceiling")
     if ceiling and ceiling.get("accuracy") is not None:
@@ -833,7 +865,11 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--distill-coef", type=float, help="mixed: grpo.distill_coef (default: the config's, or 1)"
     )
-    p.add_argument("--tune", choices=["grpo"], help="choose GRPO's settings on --tune-seeds, then stop")
+    p.add_argument(
+        "--tune",
+        choices=list(TUNED),
+        help="choose GRPO's (grpo) or GRPO + distillation's (mixed) settings on --tune-seeds, then stop",
+    )
     p.add_argument("--tune-seeds", type=_ints, default=[1000, 1001], help="seeds for --tune (not reported)")
     p.add_argument("--tune-steps", type=int, default=100, help="steps per tuning run")
     p.add_argument("--no-progress", action="store_true")
@@ -866,6 +902,8 @@ def run_compare_command(args: argparse.Namespace) -> int:
             reported=args.seeds,
             steps=args.tune_steps,
             progress=not args.no_progress,
+            method=args.tune,
+            distill_coef=args.distill_coef,
         )
         return 0
     result = run_compare(

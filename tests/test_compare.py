@@ -215,6 +215,45 @@ def test_tuning_never_reads_a_reported_seeds_heldout_set(assets, tmp_path, monke
     assert result["grpo"] == tune["chosen"] and "--tune grpo" in result["grpo_source"]
 
 
+def test_grpo_plus_distillation_is_tuned_on_its_own(assets, tmp_path):
+    """`--tune mixed` chooses GRPO + distillation's settings with the distillation term on, apart
+    from GRPO's; the comparison then trains mixed at them, not at GRPO's."""
+    out = tmp_path / "cmp"
+    tune = compare.run_tune(
+        None,
+        _overrides(assets),
+        out,
+        tune_seeds=[5],
+        reported=[0],
+        steps=2,
+        progress=False,
+        method="mixed",
+        distill_coef=0.5,
+    )
+    assert (out / "tune" / "mixed.json").is_file() and not (out / "tune" / "grpo.json").exists()
+    assert all(r["distill"] == ["grpo.distill_coef=0.5"] for r in tune["results"])
+    config = (out / "tune" / "mixed_setting0_seed5" / "config.yaml").read_text()
+    assert "distill_coef: 0.5" in config
+    result = compare.run_compare(
+        None,
+        _overrides(assets),
+        out,
+        methods=["mixed"],
+        seeds=[0],
+        steps=1,
+        eval_every=1,
+        distill_coef=0.5,
+        grpo_lr=0.123,
+        progress=False,
+    )
+    assert result["mixed"] == tune["chosen"] and "--tune mixed" in result["mixed_source"]
+    assert result["grpo"]["lr"] == 0.123 and "from the config" in result["grpo_source"]
+    trained = (out / "seed0" / "mixed" / "config.yaml").read_text()
+    assert f"lr: {tune['chosen']['lr']}" in trained and "distill_coef: 0.5" in trained
+    with pytest.raises(UserError, match="--tune sft"):
+        compare.run_tune(None, _overrides(assets), out, tune_seeds=[5], reported=[0], steps=1, method="sft")
+
+
 def test_bad_comparisons_are_one_line_errors(assets, tmp_path):
     no_eval = [o for o in _overrides(assets) if not o.startswith("eval.")]
     with pytest.raises(UserError, match="eval.path"):
