@@ -299,6 +299,16 @@ def repetition_rate(text: str, n: int = 4) -> float:
     return 1 - len(set(grams)) / len(grams) if grams else 0.0
 
 
+def ceiling_context(cfg) -> list[str]:
+    """The override that lets a vLLM engine hold the ceiling's prompts (a teacher prompt, solution
+    included, plus a held-out answer), set alike for every method of a comparison; none where the
+    config sets rollout.max_model_len itself."""
+    if cfg.rollout.max_model_len is not None:
+        return []
+    prompt = max(cfg.data.max_prompt_len, cfg.data.max_teacher_prompt_len)
+    return [f"rollout.max_model_len={prompt + max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)}"]
+
+
 def teacher_ceiling(trainer) -> dict:
     """The base model's held-out accuracy with each problem's worked solution in its prompt (the
     teacher's prompt, eval.grader and eval.lenient_grader): what the teacher itself gets right, the
@@ -488,9 +498,10 @@ def run_compare(
             _say(True, f"{METHODS[m]}: {NOTES[m]}")
     runs: list[MethodRun] = []
     ceiling_path = out / "ceiling.json"
+    context = ceiling_context(cfg) if ceiling else []
     for seed in seeds:
         base = None
-        overrides = per_seed(seed)
+        overrides = [*per_seed(seed), *context]
         for method in methods:
             run_dir = out / f"seed{seed}" / method
             done = run_dir / "compare_method.json"

@@ -30,6 +30,7 @@ def make_engine(
     *,
     seed: int,
     max_prompt_len: int | None = None,
+    max_new_tokens: int | None = None,
     model_path: str | None = None,
     compute_dtype: torch.dtype | None = None,
     autocast_dtype: torch.dtype | None = None,
@@ -39,7 +40,9 @@ def make_engine(
 ) -> RolloutEngine:
     """The engine the rollout config asks for, on `model` (the trainer's live model object).
 
-    `max_prompt_len` sizes vLLM's context when rollout.max_model_len is unset; `model_path` is the
+    `max_prompt_len` plus `max_new_tokens` (the longest generation asked of the engine, rollouts or
+    held-out evaluation; default rollout.max_new_tokens) sizes vLLM's context when
+    rollout.max_model_len is unset; `model_path` is the
     directory vLLM loads the architecture from (default: where `model` was loaded from).
     `compute_dtype` is vLLM's dtype when rollout.vllm_dtype is auto (the trainer's compute dtype, not
     the float32 of master weights); `autocast_dtype` makes the HF engine generate under autocast.
@@ -61,7 +64,7 @@ def make_engine(
     if name == "vllm":
         max_len = rollout.max_model_len
         if max_len is None and max_prompt_len is not None:
-            max_len = max_prompt_len + rollout.max_new_tokens
+            max_len = max_prompt_len + (max_new_tokens or rollout.max_new_tokens)
         return VLLMEngine(
             model,
             tokenizer,

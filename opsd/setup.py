@@ -233,6 +233,8 @@ def make_rollout_engine(
         tokenizer,
         seed=cfg.seed,
         max_prompt_len=cfg.data.max_prompt_len,
+        # the held-out evaluation generates on the same engine, often longer than a rollout
+        max_new_tokens=max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.path else 0),
         compute_dtype=prec.compute,
         autocast_dtype=amp,
         ranks=dist,

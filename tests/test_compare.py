@@ -254,6 +254,15 @@ def test_grpo_plus_distillation_is_tuned_on_its_own(assets, tmp_path):
         compare.run_tune(None, _overrides(assets), out, tune_seeds=[5], reported=[0], steps=1, method="sft")
 
 
+def test_the_ceiling_fits_the_engines_context(assets):
+    """The ceiling generates from teacher prompts (the solution included) on the rollout engine: every
+    method's engine gets a context that holds one plus a held-out answer, unless the config sets one."""
+    cfg = compare._arm_config(None, _overrides(assets), ["data.max_teacher_prompt_len=300"])
+    assert compare.ceiling_context(cfg) == ["rollout.max_model_len=304"]  # 300 + eval's 4 new tokens
+    own = compare._arm_config(None, _overrides(assets), ["rollout.max_model_len=999"])
+    assert compare.ceiling_context(own) == []
+
+
 def test_bad_comparisons_are_one_line_errors(assets, tmp_path):
     no_eval = [o for o in _overrides(assets) if not o.startswith("eval.")]
     with pytest.raises(UserError, match="eval.path"):

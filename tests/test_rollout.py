@@ -313,6 +313,18 @@ def test_smollm2_generates_from_chat_template(smollm2_path):
 # call order and arguments. tests/test_vllm.py runs the same engine on the real vLLM (CPU build).
 
 
+def test_vllm_context_holds_the_longest_generation_asked_of_it(fake_vllm, tiny_model, tiny_tokenizer):
+    """The held-out evaluation generates on the rollout engine: a context sized for rollouts alone
+    would refuse an evaluation prompt plus its longer answer."""
+    from opsd.engines import make_engine
+
+    cfg = RolloutConfig(engine="vllm", batch_size=16, max_new_tokens=6)
+    make_engine(cfg, tiny_model, tiny_tokenizer, seed=3, max_prompt_len=100, max_new_tokens=40)
+    assert fake_vllm.llms[-1].kwargs["max_model_len"] == 140
+    make_engine(cfg, tiny_model, tiny_tokenizer, seed=3, max_prompt_len=100)
+    assert fake_vllm.llms[-1].kwargs["max_model_len"] == 106
+
+
 def test_vllm_engine_arguments_and_start_order(fake_vllm, tiny_model, tiny_tokenizer):
     engine = vllm_engine(tiny_model, tiny_tokenizer)
     llm = fake_vllm.llms[0]
