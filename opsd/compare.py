@@ -120,6 +120,7 @@ class MethodRun:
     points: list[EvalPoint] = field(default_factory=list)
     lr: float = 0.0
     finished: bool = False
+    stopped_by: str | None = None  # the guard that ended it early (config.guard), and the step
 
     @property
     def final(self) -> EvalPoint:
@@ -216,18 +217,23 @@ def run_trainer_method(
             ceiling.write_text(json.dumps(teacher_ceiling(trainer), indent=2))
         while True:
             on_grid = trainer.step_num % budget.eval_every == 0 or trainer.step_num == budget.steps
-            if run.final.step < trainer.step_num and on_grid:  # trained (or resumed) to an evaluation
+            guarded = _guard_stop(trainer)
+            if run.final.step < trainer.step_num and (on_grid or guarded):  # an evaluation is due
                 tokens, seconds, scored = _spent(run_dir / "metrics.jsonl", per_step)
                 scored = 0 if method == "grpo" else scored  # GRPO alone has no teacher
                 run.points.append(_evaluate(trainer, trainer.step_num, tokens, seconds, scored))
                 _write_points(log, run.points)
                 _say(progress, f"seed {seed} {method} step {trainer.step_num}: {_point_text(run.final)}")
+            if guarded:  # a guard (config.guard) ended the method: its last evaluation is at the stop
+                run.stopped_by = f"{guarded} at step {trainer.step_num}"
+                _say(True, f"seed {seed} {method}: {run.stopped_by}")
+                break
             if trainer.step_num >= budget.steps:
                 break
             # The next evaluation on the grid (a resume after a signal may stand between two).
             until = min(budget.steps, (trainer.step_num // budget.eval_every + 1) * budget.eval_every)
             trainer.train(until_step=until)
-            if trainer.step_num < until:  # a signal: the trainer saved a checkpoint and returned
+            if trainer.step_num < until and not _guard_stop(trainer):  # a signal: saved, returned
                 raise UserError(
                     f"stopped {method} seed {seed} at step {trainer.step_num}; run the same command "
                     "again to resume"
@@ -236,6 +242,12 @@ def run_trainer_method(
         trainer.close()
     run.finished = True
     return run
+
+
+def _guard_stop(trainer) -> str | None:
+    """The guard that stopped the trainer's last ``train()`` (its config key), or None."""
+    why = trainer.stop.requested
+    return why if isinstance(why, str) and why.startswith("guard.") else None
 
 
 def _spent(metrics_path: Path, responses_per_step: int) -> tuple[int, float, int]:
@@ -799,6 +811,9 @@ def format_table(result: dict) -> str:
         f"({result['grpo_source']}); GRPO + distillation {result.get('mixed', result['grpo'])} "
         f"({result.get('mixed_source', 'GRPO')}) with grpo.distill_coef={result['distill_coef']}.",
     ]
+    for r in result["runs"]:
+        if r.get("stopped_by"):
+            lines.append(f"{METHODS[r['method']]}, seed {r['seed']}: stopped by {r['stopped_by']}.")
     ceiling = result.get("ceiling")
     if ceiling and ceiling.get("accuracy") is not None:
         lenient = "" if ceiling.get("lenient") is None else f", lenient {100 * ceiling['lenient']:.1f}%"

@@ -254,6 +254,38 @@ def test_grpo_plus_distillation_is_tuned_on_its_own(assets, tmp_path):
         compare.run_tune(None, _overrides(assets), out, tune_seeds=[5], reported=[0], steps=1, method="sft")
 
 
+def test_a_guard_ends_a_method_early_with_its_evaluation(assets, tmp_path):
+    """A guard that fires (here: every response of the random model is cut at 4 tokens) ends the
+    method at that step, evaluated there and named in the table, instead of reading as a signal."""
+    out = tmp_path / "cmp"
+    guard = ["guard.max_truncation=0.0", "guard.window=1"]
+    result = compare.run_compare(
+        None,
+        [*_overrides(assets), *guard],
+        out,
+        methods=["opsd"],
+        seeds=[0],
+        steps=4,
+        eval_every=4,
+        progress=False,
+    )
+    run = result["runs"][0]
+    assert run["stopped_by"] == "guard.max_truncation at step 1"
+    assert [p["step"] for p in run["points"]] == [0, 1] and run["finished"]
+    assert "stopped by guard.max_truncation at step 1" in (out / "compare.md").read_text()
+    again = compare.run_compare(
+        None,
+        [*_overrides(assets), *guard],
+        out,
+        methods=["opsd"],
+        seeds=[0],
+        steps=4,
+        eval_every=4,
+        progress=False,
+    )
+    assert again["runs"] == result["runs"]  # read back, not rerun
+
+
 def test_the_ceiling_fits_the_engines_context(assets):
     """The ceiling generates from teacher prompts (the solution included) on the rollout engine: every
     method's engine gets a context that holds one plus a held-out answer, unless the config sets one."""
