@@ -259,30 +259,13 @@ def test_a_guard_ends_a_method_early_with_its_evaluation(assets, tmp_path):
     method at that step, evaluated there and named in the table, instead of reading as a signal."""
     out = tmp_path / "cmp"
     guard = ["guard.max_truncation=0.0", "guard.window=1"]
-    result = compare.run_compare(
-        None,
-        [*_overrides(assets), *guard],
-        out,
-        methods=["opsd"],
-        seeds=[0],
-        steps=4,
-        eval_every=4,
-        progress=False,
-    )
+    kw = dict(methods=["opsd"], seeds=[0], steps=4, eval_every=4, progress=False)
+    result = compare.run_compare(None, [*_overrides(assets), *guard], out, **kw)
     run = result["runs"][0]
     assert run["stopped_by"] == "guard.max_truncation at step 1"
     assert [p["step"] for p in run["points"]] == [0, 1] and run["finished"]
     assert "stopped by guard.max_truncation at step 1" in (out / "compare.md").read_text()
-    again = compare.run_compare(
-        None,
-        [*_overrides(assets), *guard],
-        out,
-        methods=["opsd"],
-        seeds=[0],
-        steps=4,
-        eval_every=4,
-        progress=False,
-    )
+    again = compare.run_compare(None, [*_overrides(assets), *guard], out, **kw)
     assert again["runs"] == result["runs"]  # read back, not rerun
 
 
