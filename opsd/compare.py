@@ -560,6 +560,10 @@ def read_tuned(out: Path, method: str, budget: Budget) -> tuple[GRPOSettings | N
     chosen = GRPOSettings(**tune["chosen"])
     check_group_size(chosen.n, budget)
     verdict = "" if tune["improves_on_first_step"] else "; no setting raised its training reward"
+    if all(r["flat_group_frac"] >= 1 for r in tune["results"]):
+        verdict += (
+            "; every group's reward was flat at every setting (no signal): the tie went to the lowest lr"
+        )
     return chosen, f"chosen by `opsd compare --tune {method}` on seeds {tune['seeds']} ({tuned}){verdict}"
 
 
@@ -685,6 +689,8 @@ def run_tune(
     path = out / tune_file(method)
     path.write_text(json.dumps(tune, indent=2))
     verdict = "improves" if improves else "does NOT improve"
+    if all(r["flat_group_frac"] >= 1 for r in results):
+        verdict += " (every group's reward was flat at every setting: no signal to choose by)"
     _say(True, f"chosen {best['setting']}: its training reward {verdict} on its first step's; {path}")
     return tune
 

@@ -269,6 +269,19 @@ def test_a_guard_ends_a_method_early_with_its_evaluation(assets, tmp_path):
     assert again["runs"] == result["runs"]  # read back, not rerun
 
 
+def test_a_tuning_without_signal_says_so(tmp_path):
+    """Where every group's reward was flat at every setting, the choice is a tie, and the table says so."""
+    setting = {"lr": 1e-4, "temperature": 1.0, "n": 4, "scale_rewards": False}
+    tune = {"seeds": [9], "chosen": setting, "improves_on_first_step": False}
+    (tmp_path / "tune").mkdir()
+    for flat, said in ((1.0, True), (0.5, False)):
+        tune["results"] = [{"setting": setting, "flat_group_frac": flat}]
+        (tmp_path / "tune" / "grpo.json").write_text(json.dumps(tune))
+        chosen, source = compare.read_tuned(tmp_path, "grpo", compare.Budget(2, 8, 2))
+        assert chosen == compare.GRPOSettings(**setting)
+        assert ("no signal" in source) is said and "no setting raised" in source
+
+
 def test_the_ceiling_fits_the_engines_context(assets):
     """The ceiling generates from teacher prompts (the solution included) on the rollout engine: every
     method's engine gets a context that holds one plus a held-out answer, unless the config sets one."""
