@@ -47,8 +47,9 @@ METHODS: dict[str, str] = {
     "control_wrong": "wrong-answer control: teacher with its solution's final answer made wrong",
 }
 NOTES = {
-    "control_a": "with teacher.mode=fixed its teacher is the initial student reading the same prompt: "
-    "the divergence and the gradient are zero at step 0 and stay zero, so it cannot move by construction",
+    "control_a": "with teacher.mode=fixed its teacher is the initial student reading the same prompt: the "
+    "divergence starts at zero and the gradient is rounding noise, which AdamW scales to full-size steps, so "
+    "its row shows how far noise alone moves the student",
 }
 MARKER = "compare.json"  # only a directory holding it is written into again
 TUNED = ("grpo", "mixed")  # the methods `opsd compare --tune` chooses settings for
