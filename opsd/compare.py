@@ -501,7 +501,7 @@ def run_compare(
     if mixed is None:
         mixed = grpo
         mixed_source = "GRPO's (run `opsd compare --tune mixed` to choose its own)"
-    coef = distill_coef if distill_coef is not None else (cfg.grpo.distill_coef or 1.0)
+    coef = distill_coefficient(cfg, distill_coef)
     sft_lr = sft_lr or cfg.optim.lr
     _say(True, budget.describe())
     _say(True, f"GRPO settings {asdict(grpo)}, {grpo_source}")
@@ -552,6 +552,16 @@ def run_compare(
     return result
 
 
+def distill_coefficient(cfg, given: float | None) -> float:
+    """GRPO + distillation's grpo.distill_coef: ``given`` (--distill-coef), else the config's, else 1."""
+    return given if given is not None else (cfg.grpo.distill_coef or 1.0)
+
+
+def no_signal(results: list[dict]) -> bool:
+    """Every tuning setting saw only flat groups: the reward never told one response from another."""
+    return all(r["flat_group_frac"] >= 1 for r in results)
+
+
 def read_tuned(out: Path, method: str, budget: Budget) -> tuple[GRPOSettings | None, str]:
     """The settings `opsd compare --tune METHOD` chose into ``out``, and where they came from."""
     tuned = out / tune_file(method)
@@ -561,7 +571,7 @@ def read_tuned(out: Path, method: str, budget: Budget) -> tuple[GRPOSettings | N
     chosen = GRPOSettings(**tune["chosen"])
     check_group_size(chosen.n, budget)
     verdict = "" if tune["improves_on_first_step"] else "; no setting raised its training reward"
-    if all(r["flat_group_frac"] >= 1 for r in tune["results"]):
+    if no_signal(tune["results"]):
         verdict += (
             "; every group's reward was flat at every setting (no signal): the tie went to the lowest lr"
         )
@@ -620,7 +630,7 @@ def run_tune(
         raise UserError(f"--tune {method}: choose from {list(TUNED)}")
     cfg = _arm_config(config, per_seed(tune_seeds[0]), [])
     budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, steps)
-    coef = distill_coef if distill_coef is not None else (cfg.grpo.distill_coef or 1.0)
+    coef = distill_coefficient(cfg, distill_coef)
     distill = [f"grpo.distill_coef={coef}"] if method == "mixed" else []
     out = Path(out)
     claim_dir(out)
@@ -690,7 +700,7 @@ def run_tune(
     path = out / tune_file(method)
     path.write_text(json.dumps(tune, indent=2))
     verdict = "improves" if improves else "does NOT improve"
-    if all(r["flat_group_frac"] >= 1 for r in results):
+    if no_signal(results):
         verdict += " (every group's reward was flat at every setting: no signal to choose by)"
     _say(True, f"chosen {best['setting']}: its training reward {verdict} on its first step's; {path}")
     return tune
