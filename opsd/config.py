@@ -298,7 +298,17 @@ class RolloutConfig(_Section):
 
 
 class LossConfig(_Section):
-    """The distillation loss between the student's and the teacher's next-token distributions."""
+    """The distillation loss between the student's and the teacher's next-token distributions.
+
+    Which clip: `entry` (the paper's code) can turn a token's step away from its teacher. Forward KL,
+    clip 0.05, teacher P = [0.6, 0.3, 0.1], student S = [0.2, 0.4, 0.4]: unclipped, the gradient on the
+    student's logits is [-0.40, +0.10, +0.30] and one SGD step (lr 1) raises S's mass on the teacher's
+    top token from 0.20 to 0.31; under `entry` that token's term (0.6 log 3 = 0.66) is clipped, it
+    keeps the softmax coupling from the others, the gradient is [+0.08, -0.14, +0.06] and the mass
+    falls to 0.18 (the step raises the token's divergence by 0.028 to first order); under `token` the
+    token teaches nothing. `scale` and `none` step every token down its own divergence (tests/test_loss.py,
+    the descent property, which records `entry` as failing). The run's start prints the clip mode and
+    whether it keeps descent."""
 
     mode: Literal[MODES] = Field(
         "jsd",
@@ -316,8 +326,10 @@ class LossConfig(_Section):
     )
     clip_mode: Literal[CLIP_MODES] = Field(
         "entry",
-        description="entry: each vocabulary entry's term clamped at clip (no gradient past it); token: each "
-        "token's divergence clamped; none: no clipping.",
+        description="entry: each vocabulary entry's term clamped at clip (no gradient past it; can turn a "
+        "token's step away from the teacher, the paper's code); token: each token's divergence clamped (a "
+        "clipped token teaches nothing); scale: each token's gradient scaled by min(1, clip / its "
+        "divergence), the loss reported unclipped (bounds the step, keeps its direction); none: no clipping.",
     )
     clip: float = Field(0.05, ge=0, description="The clamp of clip_mode.")
     topk: int = Field(

@@ -119,6 +119,8 @@ class Trainer:
         self.queue = RolloutQueue(cfg, self.engine, *drawn, self.dist, trim_heap=self.plan.trim_heap)
         if self.rank == 0:
             print(f"precision: {self.precision.describe()}", file=sys.stderr)
+            if self.objective.uses_teacher:
+                print(f"loss: {self.spec.describe()}", file=sys.stderr)
             print(f"cpu plan: {self.plan.describe()}", file=sys.stderr)
             print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:

@@ -56,7 +56,7 @@ def test_examples_validate(example):
         (["teacher.path=/x"], "only used with teacher.mode=external"),
         (["optim.lr=-1"], r"optim\.lr"),
         (["loss.bta=0"], r"loss\.bta: Extra inputs are not permitted"),
-        (["rollout.tensor_parallel_size=2"], "engine=vllm"),
+        (["rollout.engine=hf", "rollout.tensor_parallel_size=2"], "engine=vllm"),
         (["eval.every=5"], "eval.path"),
         (["data.solution_key=null"], "data.solution_key"),
         (["loss.clip_mode=sometimes"], r"loss\.clip_mode"),

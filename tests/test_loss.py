@@ -6,7 +6,7 @@ import itertools
 import math
 import subprocess
 import sys
-from dataclasses import FrozenInstanceError
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 import torch
@@ -24,7 +24,7 @@ from opsd.loss import (
 )
 
 BETAS = [0.0, 0.3, 0.5, 1.0]
-CLIPS = [("none", 0.0), ("entry", 0.05), ("token", 0.3)]
+CLIPS = [("none", 0.0), ("entry", 0.05), ("token", 0.3), ("scale", 0.3)]
 
 
 def independent(zs, zt, targets, *, mode, beta, temperature, clip_mode, clip, topk):
@@ -50,7 +50,7 @@ def independent(zs, zt, targets, *, mode, beta, temperature, clip_mode, clip, to
     if clip_mode == "entry":
         return ell.clamp(max=clip).sum(-1)
     rows = ell.sum(-1)
-    return rows.clamp(max=clip) if clip_mode == "token" else rows
+    return rows.clamp(max=clip) if clip_mode == "token" else rows  # scale: the value is unclipped
 
 
 def make(n=12, h=16, v=40, seed=0, dtype=torch.float64, scale=1.0):
@@ -119,6 +119,30 @@ def test_gradcheck_chunked(kw):
         spec = DistillSpec(temperature=1.1, **kw)
         return fused_linear_distill(h, wgt, ht, wt, weights, y, spec, chunk_size=2)[0]
 
+    if kw["clip_mode"] == "scale":
+        # scale's gradient is c_n dD_n with c_n = min(1, clip / D_n) a constant of the step: the gradient
+        # of sum w_n c_n D_n, whose own gradient gradcheck checks by central differences with c0 fixed.
+        # The clip sits at the rows' median divergence, so both kinds of row are in the check.
+        unclipped = DistillSpec(temperature=1.1, **(kw | {"clip_mode": "none", "clip": 0.0}))
+        d0 = per_token_loss_dense(hs @ w.t(), ht @ wt.t(), y, unclipped)
+        clip = float(d0[weights > 0].median())
+        c0 = torch.where(d0 > clip, clip / d0, torch.ones_like(d0))
+        scaled = DistillSpec(temperature=1.1, **(kw | {"clip": clip}))
+        assert (c0[weights > 0] < 1).any() and (c0[weights > 0] == 1).any()
+
+        def g(h, wgt):
+            return fused_linear_distill(h, wgt, ht, wt, weights * c0, y, unclipped, chunk_size=2)[0]
+
+        args = (hs.clone().requires_grad_(), w.clone().requires_grad_())
+        assert torch.autograd.gradcheck(g, args, atol=1e-9, rtol=0)  # as below
+        h1, w1 = hs.clone().requires_grad_(), w.clone().requires_grad_()
+        h2, w2 = hs.clone().requires_grad_(), w.clone().requires_grad_()
+        fused_linear_distill(h1, w1, ht, wt, weights, y, scaled, chunk_size=2)[0].backward()
+        g(h2, w2).backward()
+        # float64, the same analytic gradient with the factor applied on the weight or on the row: a few u
+        torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=1e-13)
+        torch.testing.assert_close(w1.grad, w2.grad, rtol=0, atol=1e-13)
+        return
     if kw["mode"] != "sampled":
         # central differences (eps=1e-6) of a float64 loss |f| < 1: rounding ~u*|f|/eps = 1e-10, truncation
         # ~eps^2*|f'''| = 1e-12; measured <= 1.2e-10 (gradcheck's default atol=1e-5, rtol=1e-3 are far looser)
@@ -163,6 +187,83 @@ def test_clip_semantics():
     assert (ent < 0).all()
     _, stats = fused_linear_distill(hs, w, ht, w, spec=token_clip)
     assert stats.clipped == clipped.sum().item() and stats.clip_total == len(raw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Descent: a clip may shorten a token's step, never turn it away from that token's teacher.
+
+
+def per_token_gradients(zs: torch.Tensor, zt: torch.Tensor, spec: DistillSpec) -> torch.Tensor:
+    """``dL_n / dz_n`` for every row at once: each row's loss reads only its own logits."""
+    z = zs.clone().requires_grad_()
+    per_token_loss_dense(z, zt, spec=spec).sum().backward()
+    return z.grad
+
+
+DESCENT_CLIPS = [
+    ("none", 0.0),
+    ("token", 0.05),
+    ("scale", 0.05),
+    pytest.param(
+        ("entry", 0.05),
+        marks=pytest.mark.xfail(
+            strict=True,
+            raises=AssertionError,
+            reason="entry clipping drops a clipped entry's own gradient but keeps the softmax coupling "
+            "from the others, so the token's step can raise its divergence (docs/configuration.md)",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("clip", DESCENT_CLIPS, ids=lambda c: c[0])
+@pytest.mark.parametrize("mode", ["jsd", "topk"])
+@pytest.mark.parametrize("beta", BETAS)
+def test_every_token_steps_down_its_own_divergence(clip, mode, beta):
+    """The first-order change of each token's unclipped divergence along the negative clipped
+    gradient, ``-<g_clip, g_raw>``, is <= 0; in the dense oracle and through the fused kernel (an
+    identity head makes its hidden states the logits)."""
+    spec = DistillSpec(mode=mode, beta=beta, topk=8, temperature=1.1, clip_mode=clip[0], clip=clip[1])
+    raw = replace(spec, clip_mode="none", clip=0.0)
+    g = torch.Generator().manual_seed(7)
+    v = 30
+    worst = []
+    for scale in (0.5, 2.0, 5.0):
+        zs = torch.randn(64, v, generator=g, dtype=torch.float64) * scale
+        zt = torch.randn(64, v, generator=g, dtype=torch.float64) * scale
+        g_raw = per_token_gradients(zs, zt, raw)
+        h = zs.clone().requires_grad_()
+        head = torch.eye(v, dtype=torch.float64)
+        loss, _ = fused_linear_distill(h, head, zt, head, torch.ones(64, dtype=torch.float64), None, spec)
+        loss.backward()
+        for g_clip in (per_token_gradients(zs, zt, spec), h.grad):
+            change = -(g_clip * g_raw).sum(-1)
+            # float64: a dot of V=30 products of gradient entries: rounding <= 30 u |g_clip| |g_raw|
+            bound = 30 * 2.2e-16 * g_clip.norm(dim=-1) * g_raw.norm(dim=-1)
+            worst.append((change - bound).max().item())
+    assert max(worst) <= 0, f"a token's clipped step raised its own divergence by up to {max(worst):.3g}"
+
+
+def test_entry_clip_counter_example():
+    """Forward KL, clip 0.05: teacher P = [0.6, 0.3, 0.1], student S = [0.2, 0.4, 0.4]. Unclipped, one
+    SGD step (lr 1) raises S's mass on the teacher's top token from 0.20 to 0.31; entry clipping clips
+    that very entry (0.6 log 3 = 0.66) and lowers it to 0.18; token clipping drops the token; scale
+    takes the unclipped step scaled by clip / D."""
+    zs = torch.tensor([[0.2, 0.4, 0.4]], dtype=torch.float64).log()
+    zt = torch.tensor([[0.6, 0.3, 0.1]], dtype=torch.float64).log()
+    grads = {
+        m: per_token_gradients(zs, zt, DistillSpec(clip_mode=m, clip=0.05))[0]
+        for m in ("none", "entry", "token", "scale")
+    }
+    # exact in float64 up to a few u: none S - P; entry S (sum of kept P) - kept P with only P_0 clipped
+    torch.testing.assert_close(grads["none"], torch.tensor([-0.4, 0.1, 0.3], dtype=torch.float64))
+    torch.testing.assert_close(grads["entry"], torch.tensor([0.08, -0.14, 0.06], dtype=torch.float64))
+    assert torch.all(grads["token"] == 0)
+    d = float((zt.exp() * (zt - zs)).sum())
+    torch.testing.assert_close(grads["scale"], grads["none"] * 0.05 / d)
+    after = {m: (zs[0] - gr).softmax(-1)[0].item() for m, gr in grads.items()}
+    assert round(after["none"], 2) == 0.31 and round(after["entry"], 2) == 0.18
+    assert -(grads["entry"] @ grads["none"]).item() == pytest.approx(0.028)  # raises the divergence
 
 
 def test_bf16_inputs_computed_in_fp32():

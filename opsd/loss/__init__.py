@@ -19,7 +19,15 @@ Clipping (``clip_mode`` with value ``clip = tau``), and what it does to the grad
   negative, the clipped per-token loss can be negative.
 * ``"token"`` (the seed PR): the vocabulary-summed divergence is clamped at ``tau``. A token
   whose divergence exceeds ``tau`` contributes ``tau`` and exactly zero gradient.
+* ``"scale"``: each token's gradient is scaled by ``min(1, tau / D_t)``, ``D_t`` its divergence; the
+  loss is reported unclipped. It bounds a token's step without turning it, so the step stays a
+  descent direction of every token's divergence.
 * ``"none"``.
+
+``entry`` and ``token`` change the direction of a token's gradient or drop it; ``entry`` can turn it
+*away* from the teacher: a clipped entry loses its own term's gradient but keeps the softmax coupling
+from the others, so a logit where the teacher is confident and the student is not is pushed down
+(``spec.KEEPS_DESCENT``; the counter-example is in docs/configuration.md).
 
 Reduction is expressed by per-token ``weights``: ``loss = sum_n w_n L_n``. Normalizing the weights
 by the *global* token count (``reduction="token"``) or by each sequence's length and the global
@@ -50,7 +58,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from opsd.loss.spec import CLIP_MODES, MODES, REDUCTIONS, DistillSpec, LossStats
+from opsd.loss.spec import CLIP_MODES, KEEPS_DESCENT, MODES, REDUCTIONS, DistillSpec, LossStats
 
 if TYPE_CHECKING:
     from opsd.loss.fused import auto_chunk_size, fused_linear_distill
@@ -68,6 +76,7 @@ _LAZY = {
 
 __all__ = [
     "CLIP_MODES",
+    "KEEPS_DESCENT",
     "MODES",
     "REDUCTIONS",
     "DistillSpec",

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opsd.loss.reference import compute_dtype, kernel_precision
+from opsd.loss.reference import compute_dtype, kernel_precision, token_scale
 from opsd.loss.spec import DistillSpec, LossStats
 
 
@@ -136,7 +136,8 @@ def _terms(f: Tensor, d: Tensor, entry: bool, *, overwrite_d: bool = False) -> t
 def _clip(
     ell: Tensor | None, raw: Tensor, spec: DistillSpec, stats: LossStats
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Clipped per-row losses, the clipped-entry mask (entry clipping), the kept-token mask (token clipping).
+    """Clipped per-row losses, the clipped-entry mask (entry clipping), each row's gradient factor
+    (token clipping: 1 kept, 0 clipped; scale: ``min(1, clip / D)``, the loss left unclipped).
 
     The entry mask marks what is dropped (``not ell <= clip``: a NaN term counts as clipped), so the
     gradient zeroes those entries in place with it; multiplying by a kept-entry mask made a float
@@ -151,6 +152,10 @@ def _clip(
         stats.clipped = (~token_keep).sum()
         stats.clip_total = float(raw.numel())
         return raw.clamp(max=spec.clip), None, token_keep
+    if spec.clip_mode == "scale":
+        stats.clipped = (raw > spec.clip).sum()
+        stats.clip_total = float(raw.numel())
+        return raw, None, token_scale(raw, spec.clip)
     return raw, None, None
 
 
@@ -195,7 +200,7 @@ def _divergence_chunk(
         else:
             ell, raw = None, beta * torch.linalg.vecdot(p, d_p) + (1 - beta) * torch.linalg.vecdot(s, d_s)
     stats.divergence = raw.sum()
-    rows, drop, token_keep = _clip(ell, raw, spec, stats)
+    rows, drop, row_factor = _clip(ell, raw, spec, stats)
     del ell
     loss = (rows * w).sum()
     if not need_grad:
@@ -208,8 +213,8 @@ def _divergence_chunk(
     else:
         grad = _grad_mixture(s, d_s, drop, beta)
     scale = w[:, None] * (1.0 / spec.temperature)
-    if token_keep is not None:
-        scale = scale * token_keep[:, None]
+    if row_factor is not None:
+        scale = scale * row_factor[:, None]
     grad.mul_(scale)
     if idx is not None:
         grad = torch.zeros_like(a).scatter_(-1, idx, grad)

@@ -56,11 +56,26 @@ def pointwise(log_s: Tensor, log_p: Tensor, beta: float) -> Tensor:
 
 
 def clip_rows(ell: Tensor, clip_mode: str, clip: float) -> Tensor:
-    """Vocabulary-summed, clipped divergence per row."""
+    """Vocabulary-summed, clipped divergence per row.
+
+    ``scale`` keeps the value and scales the row's gradient by ``min(1, clip / D)``: the row is
+    ``c D + stopgrad((1 - c) D)`` with ``c`` a constant, whose value is ``D`` and whose gradient is
+    ``c dD``."""
     if clip_mode == "entry":
         return ell.clamp(max=clip).sum(-1)
     rows = ell.sum(-1)
-    return rows.clamp(max=clip) if clip_mode == "token" else rows
+    if clip_mode == "token":
+        return rows.clamp(max=clip)
+    if clip_mode == "scale":
+        c = token_scale(rows.detach(), clip)
+        return c * rows + ((1 - c) * rows).detach()
+    return rows
+
+
+def token_scale(rows: Tensor, clip: float) -> Tensor:
+    """``min(1, clip / D)`` per row: the factor ``clip_mode="scale"`` puts on a token's gradient, so
+    its step along its own divergence's gradient is at most what a divergence of ``clip`` takes."""
+    return torch.where(rows > clip, clip / rows, torch.ones_like(rows))
 
 
 def check_logits(zs: Tensor, zt: Tensor, targets: Tensor | None, mode: str) -> None:

@@ -15,7 +15,12 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 MODES = ("jsd", "topk", "sampled")
-CLIP_MODES = ("none", "entry", "token")
+CLIP_MODES = ("none", "entry", "token", "scale")
+# Whether a clip mode's gradient keeps, on every token, a descent direction of that token's unclipped
+# divergence (``tests/test_loss.py``, the descent property). ``entry`` does not: a clipped entry loses
+# its own term's gradient but keeps the softmax coupling from the others, so its logit is pushed down,
+# and the clipped entries are those where the teacher is confident and the student is not.
+KEEPS_DESCENT = {"none": True, "entry": False, "token": True, "scale": True}
 REDUCTIONS = ("token", "sequence")
 
 
@@ -48,12 +53,33 @@ class DistillSpec:
             raise UserError(f"clip_mode must be one of {CLIP_MODES}, got {self.clip_mode!r}")
         if self.clip_mode != "none" and not self.clip >= 0:
             raise UserError(f"clip must be >= 0 when clip_mode={self.clip_mode!r}, got {self.clip}")
+        if self.clip_mode == "scale" and not self.clip > 0:
+            raise UserError(
+                f"clip must be > 0 when clip_mode='scale' (0 scales every gradient to 0), got {self.clip}"
+            )
         if self.mode == "sampled" and self.clip_mode != "none":
             raise UserError("mode=sampled needs clip_mode=none (there is no per-entry divergence)")
         if self.mode == "topk" and self.topk < 1:
             raise UserError(f"mode=topk needs topk >= 1, got {self.topk}")
         if self.reduction not in REDUCTIONS:
             raise UserError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+
+    def describe(self) -> str:
+        """One line for a run's start: the divergence, the temperature, the clip and whether its
+        gradient keeps a descent direction of every token's divergence (:data:`KEEPS_DESCENT`)."""
+        what = {
+            "jsd": f"jsd beta={self.beta}",
+            "topk": f"topk {self.topk} beta={self.beta}",
+            "sampled": "sampled",
+        }
+        clip = (
+            "clip_mode=none" if self.clip_mode == "none" else f"clip_mode={self.clip_mode} clip={self.clip}"
+        )
+        if KEEPS_DESCENT[self.clip_mode]:
+            keeps = "keeps descent on every token"
+        else:
+            keeps = "does not keep descent: a clipped entry's logit can be pushed away from the teacher"
+        return f"{what[self.mode]} at T={self.temperature}, {clip} ({keeps})"
 
     def check_vocab(self, vocab_size: int) -> None:
         """The one check that needs the vocabulary size: top-k cannot exceed it."""
@@ -67,7 +93,7 @@ class LossStats:
 
     tokens: float = 0.0
     divergence: float = 0.0  # unclipped per-token divergence (sampled: log S(y) - log P(y))
-    clipped: float = 0.0  # clipped tokens (token mode) or entries (entry mode)
+    clipped: float = 0.0  # clipped tokens (token and scale modes) or entries (entry mode)
     clip_total: float = 0.0  # what ``clipped`` is a fraction of
     entropy_student: float = 0.0
     entropy_teacher: float = 0.0
