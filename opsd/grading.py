@@ -7,17 +7,17 @@ incorrect verdict with the reason in `Grade.error`, so one pathological sample c
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import sympy
-from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-from math_verify.errors import TimeoutException
 
 from opsd.errors import UserError
 
@@ -29,7 +29,24 @@ MAX_ANSWER_CHARS = 1000
 MAX_NUMBER_DIGITS = 1_000_000
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
-_EXTRACTION = [LatexExtractionConfig(), ExprExtractionConfig()]
+
+
+@functools.cache
+def _math_verify() -> SimpleNamespace:
+    """math-verify, imported where grading runs: a run that never grades with it (training alone, the
+    GPU machine's evidence run, whose image lacks it) needs no math-verify installed. Missing where it
+    is needed: one line, not a wrong verdict per answer."""
+    try:
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+        from math_verify.errors import TimeoutException
+    except ModuleNotFoundError as e:
+        raise UserError(
+            f"grading with math-verify needs the math-verify package ({e}): pip install math-verify"
+        ) from e
+    extraction = [LatexExtractionConfig(), ExprExtractionConfig()]
+    return SimpleNamespace(
+        parse=parse, verify=verify, TimeoutException=TimeoutException, extraction=extraction
+    )
 
 
 @dataclass
@@ -122,6 +139,7 @@ def grade(response: str, gold: str, timeout_s: float = 5) -> Grade:
     math-verify's timeouts use SIGALRM, which only works on the main thread; elsewhere they are
     disabled and the length/magnitude caps above are what keeps grading bounded.
     """
+    mv = _math_verify()
     extracted = extract_boxed(response)
     if extracted is None:
         return Grade(correct=False, extracted=None, error=None)
@@ -137,11 +155,11 @@ def grade(response: str, gold: str, timeout_s: float = 5) -> Grade:
     on_main = threading.current_thread() is threading.main_thread()
     timeout = math.ceil(timeout_s) if on_main and timeout_s > 0 else None  # signal.alarm takes whole seconds
     try:
-        gold_parsed = parse(
-            "\\boxed{" + gold_answer + "}", _EXTRACTION, parsing_timeout=timeout, raise_on_error=True
+        gold_parsed = mv.parse(
+            "\\boxed{" + gold_answer + "}", mv.extraction, parsing_timeout=timeout, raise_on_error=True
         )
-        pred_parsed = parse(
-            "\\boxed{" + extracted + "}", _EXTRACTION, parsing_timeout=timeout, raise_on_error=True
+        pred_parsed = mv.parse(
+            "\\boxed{" + extracted + "}", mv.extraction, parsing_timeout=timeout, raise_on_error=True
         )
         if not gold_parsed:
             return Grade(False, extracted, f"could not parse gold answer {gold_answer[:100]!r}")
@@ -149,7 +167,7 @@ def grade(response: str, gold: str, timeout_s: float = 5) -> Grade:
             return Grade(False, extracted, None)
         if _too_large(pred_parsed) or _too_large(gold_parsed):
             return Grade(False, extracted, f"number too large to verify (> {MAX_NUMBER_DIGITS} digits)")
-    except TimeoutException:
+    except mv.TimeoutException:
         return Grade(False, extracted, f"math-verify parse timed out after {timeout_s}s")
     except Exception as e:  # noqa: BLE001 - any grader failure is an incorrect, recorded verdict
         return Grade(False, extracted, f"parse failed: {type(e).__name__}: {str(e)[:200]}")
@@ -159,9 +177,9 @@ def grade(response: str, gold: str, timeout_s: float = 5) -> Grade:
     for g in gold_parsed:
         for t in pred_parsed:
             try:
-                if verify(g, t, timeout_seconds=timeout, raise_on_error=True):
+                if mv.verify(g, t, timeout_seconds=timeout, raise_on_error=True):
                     return Grade(correct=True, extracted=extracted, error=None)
-            except TimeoutException:
+            except mv.TimeoutException:
                 return Grade(False, extracted, f"math-verify timed out after {timeout_s}s")
             except Exception as e:  # noqa: BLE001
                 error = error or f"verify failed: {type(e).__name__}: {str(e)[:200]}"
@@ -175,13 +193,14 @@ def grade_lenient(response: str, gold: str) -> Grade:
     For models that rarely box their answer: reported beside the strict :func:`grade`, it shows what a
     model gets right without following the output format. Never raises, like :func:`grade`.
     """
+    mv = _math_verify()
     try:
-        pred = parse(response[-4 * MAX_ANSWER_CHARS :])
+        pred = mv.parse(response[-4 * MAX_ANSWER_CHARS :])
         if not pred:
             return Grade(correct=False, extracted=None, error=None)
-        correct = bool(verify(parse("\\boxed{" + normalize_gold(gold) + "}"), pred))
+        correct = bool(mv.verify(mv.parse("\\boxed{" + normalize_gold(gold) + "}"), pred))
         return Grade(correct=correct, extracted=str(pred[-1])[:200], error=None)
-    except TimeoutException:
+    except mv.TimeoutException:
         return Grade(False, None, "math-verify timed out")
     except Exception as e:  # noqa: BLE001 - any grader failure is an incorrect, recorded verdict
         return Grade(False, None, f"lenient grading failed: {type(e).__name__}: {str(e)[:200]}")

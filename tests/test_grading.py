@@ -181,7 +181,7 @@ def test_timeout_on_main_thread_is_recorded(monkeypatch: pytest.MonkeyPatch) -> 
         assert timeout_seconds == 1  # main thread: timeouts on
         return slow()
 
-    monkeypatch.setattr(grading, "verify", fake_verify)
+    monkeypatch.setattr(grading._math_verify(), "verify", fake_verify)
     g = grading.grade(r"\boxed{5}", "5", timeout_s=1)
     assert g == Grade(correct=False, extracted="5", error="math-verify timed out after 1s")
 
@@ -192,10 +192,10 @@ def test_grader_exception_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("sympy exploded")
 
-    monkeypatch.setattr(grading, "verify", broken)
+    monkeypatch.setattr(grading._math_verify(), "verify", broken)
     g = grading.grade(r"\boxed{5}", "5")
     assert not g.correct and g.error is not None and "sympy exploded" in g.error
-    monkeypatch.setattr(grading, "parse", broken)
+    monkeypatch.setattr(grading._math_verify(), "parse", broken)
     g = grading.grade(r"\boxed{5}", "5")
     assert not g.correct and g.error is not None and g.error.startswith("parse failed")
 
@@ -239,3 +239,31 @@ def test_last_number_grader_reads_boxed_strictly_then_the_last_number():
     none = grade_last_number("I do not know.", gold)
     assert not none.correct and none.extracted is None
     assert grade_last_number("12", "\\frac{1}{2}").error  # a non-numeric gold: recorded, not raised
+
+
+def test_training_imports_without_math_verify_and_grading_says_what_is_missing(tmp_path) -> None:
+    """The GPU machine's image has no math-verify: opsd imports it where grading runs, not before, so a
+    run that does not grade with it trains; grading without it is one line naming the package."""
+    import os
+    import subprocess
+    import sys
+
+    shadow = tmp_path / "math_verify"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'math_verify'\", name='math_verify')\n"
+    )
+    code = (
+        "import sys, opsd.cli, opsd.trainer, opsd.eval.cli\n"
+        "assert 'math_verify' not in sys.modules\n"
+        "from opsd.errors import UserError\n"
+        "from opsd.grading import grade\n"
+        "try:\n"
+        "    grade(r'\\boxed{5}', '5')\n"
+        "except UserError as e:\n"
+        "    print('USER ERROR', e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "USER ERROR grading with math-verify needs the math-verify package" in res.stdout
