@@ -140,16 +140,18 @@ def _nccl_worker(rank: int, port: int, root: str, dtype: str) -> None:
         }
         tok = build_tiny_tokenizer()
         plain = build_tiny_model(tok, hidden_size=32, seed=0).cuda()
-        sharded = shard_model(build_tiny_model(tok, hidden_size=32, seed=0).cuda(), d.mesh, param_dtype=None)
+        # plain's sharded twin; `sharded` above holds what the test reads back
+        gathered = shard_model(build_tiny_model(tok, hidden_size=32, seed=0).cuda(), d.mesh, param_dtype=None)
         prompts = [tok("What is 1 + 2?").input_ids, tok("Compute 7 * 8").input_ids]
         params = SamplingParams(temperature=0.0, max_new_tokens=8)
         same = [c.token_ids for c in HFEngine(plain, tok).generate(prompts, 1, params)] == [
-            c.token_ids for c in HFEngine(sharded, tok).generate(prompts, 1, params)
+            c.token_ids for c in HFEngine(gathered, tok).generate(prompts, 1, params)
         ]
         got = {"losses": [h["loss"] for h in hist], "same": same, **sharded}
         (Path(root) / "nccl.json").write_text(json.dumps(got))
     finally:
         distributed.shutdown()
+    distributed.exit_rank(0)  # as `opsd train` under torchrun ends a rank: no finalization (see exit_rank)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -12,10 +12,15 @@
 # math-verify (the grader) with latex2sympy2_extended and antlr4-python3-runtime (sympy is there);
 # typing-extensions, at least what pydantic-core needs (>= 4.14.1), whatever the image holds. Not
 # needed: datasets (read only for .json/.parquet/.csv files and hub names, not .jsonl) and gguf (never
-# imported by training). One version of each: two would stop the whole install.
+# imported by training). One version of each: two would stop the whole install. math-verify is imported
+# only where grading runs (opsd.grading), so training runs without it; the evidence run's tests grade.
+#
+# The working tree and everything carried travel within 64 MiB: the wheels must stay under 48 MiB
+# (MAX_MIB) so that the tree keeps its room; over it, this script fails.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-python3}"
+MAX_MIB="${MAX_MIB:-48}"
 WHEELS=(
   pydantic==2.13.4
   pydantic-core==2.46.4
@@ -46,4 +51,9 @@ if [ "$count" != "${#WHEELS[@]}" ]; then
 fi
 ls -l .whl
 bytes=$(du -cb .whl/*.whl | tail -1 | cut -f1)
-echo "$count wheels, $(awk -v b="$bytes" 'BEGIN { printf "%.2f", b / 1048576 }') MiB in .whl/ (pydantic-core==$core as pydantic pins)"
+mib=$(awk -v b="$bytes" 'BEGIN { printf "%.2f", b / 1048576 }')
+if [ "$bytes" -gt $((MAX_MIB * 1048576)) ]; then
+  echo "the wheels take $mib MiB, over $MAX_MIB MiB: with the working tree they would not travel (64 MiB)" >&2
+  exit 1
+fi
+echo "$count wheels, $mib MiB in .whl/ (under $MAX_MIB MiB; pydantic-core==$core as pydantic pins)"
