@@ -225,8 +225,12 @@ def make_rollout_engine(
     cfg: Config, model: nn.Module, tokenizer, prec, dist: distributed.Dist, plan: cpu.CpuPlan
 ):
     """The rollout engine on the live model; the HF engine generates under autocast where the step's
-    forwards do (mixed precision in one process) and takes the CPU plan's decoding mechanisms."""
-    amp = prec.compute if prec.mixed and dist.mesh is None else None
+    forwards do (one process: mixed precision, and LoRA's float32 adapters over a half-precision base,
+    which training computes in the compute dtype; without autocast peft ran the rollout's adapter
+    products in float32, another function than the one trained) and takes the CPU plan's decoding
+    mechanisms."""
+    half_adapters = cfg.model.lora.enabled and prec.compute in precision.HALF
+    amp = prec.compute if (prec.mixed or half_adapters) and dist.mesh is None else None
     return make_engine(
         cfg.rollout,
         model,

@@ -8,8 +8,8 @@ forward pass and hands back only its **final hidden states at the response posit
 Modes: ``fixed`` (initial policy: LoRA adapter disabled, or a frozen copy), ``ema`` (moving
 average of the student), ``live`` (current policy, no grad), ``external`` (another model with
 the same tokenizer). None of them ever receives a gradient. The EMA weights are kept in float32
-(or wider); a frozen copy's parameters are kept in the compute dtype (``copy_dtype``), cast while
-they are copied (:func:`frozen_copy_of`).
+(or wider); a frozen copy's linear weights are kept in the compute dtype (``copy_dtype``), cast while
+they are copied, and the rest as the student keeps them (:func:`frozen_copy_of`).
 
 Under torchrun the student is FSDP-sharded, and so is a separate teacher network (the frozen
 copy or the external model); forwards go through :func:`opsd.parallel.forward_hidden` so that
@@ -163,8 +163,14 @@ class Teacher:
 def frozen_copy_of(
     net: nn.Module, dtype: torch.dtype | None, device: torch.device | None = None
 ) -> nn.Module:
-    """A frozen copy of ``net`` (no gradients, eval mode) whose floating-point parameters are made
-    directly in ``dtype`` and on ``device`` (None: as they are), one parameter at a time.
+    """A frozen copy of ``net`` (no gradients, eval mode) whose linear layers' weights are made directly
+    in ``dtype`` and every parameter on ``device`` (None: as they are), one parameter at a time.
+
+    Only the matrices that autocast multiplies in the compute dtype are cast: the student's forwards
+    (bf16 autocast over float32 masters) cast exactly those, and compute with the rest (the embedding,
+    a head tied to it, the norms) in float32, its residual stream included. A copy that keeps the rest
+    as the student does computes the student's function at step 0 bit for bit; a pure bf16 copy rounded
+    its norms and its residual stream. Under torchrun FSDP2's policy casts every parameter of both.
 
     ``copy.deepcopy`` followed by ``.to(dtype)`` first cloned every parameter in its own dtype, on its
     own device: for bf16 compute over float32 masters on a GPU, a float32 copy of the whole model (6.9
@@ -173,9 +179,13 @@ def frozen_copy_of(
     tied weights stay tied (one memo entry per tensor). Buffers are deep-copied in their own dtype, as
     the student computes with them (a rotary ``inv_freq`` cast to bf16 would move every position's
     angle by up to 2^-9 of itself)."""
+    embeddings = {id(m.weight) for m in net.modules() if isinstance(m, nn.Embedding)}
+    linear = [m for m in net.modules() if isinstance(m, nn.Linear)]
+    # autocast's matrices: linear weights and biases, less a head tied to the embedding
+    matrices = {id(t) for m in linear for t in (m.weight, m.bias) if t is not None} - embeddings
     memo: dict[int, object] = {}
     for p in net.parameters():
-        cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+        cast = dtype if dtype is not None and id(p) in matrices else p.dtype
         if cast != p.dtype or (device is not None and p.device != device):
             memo[id(p)] = nn.Parameter(
                 p.detach().to(device=device or p.device, dtype=cast), requires_grad=False
