@@ -263,6 +263,12 @@ class RolloutConfig(_Section):
     server_timeout_s: float = Field(
         600.0, gt=0, description="vllm_server: seconds a request to a server may take."
     )
+    server_wait_s: float = Field(
+        120.0,
+        ge=0,
+        description="vllm_server: seconds the trainer waits at start for a server still starting (vLLM "
+        "takes 30-60 s on a CPU); 0: fail at once.",
+    )
     sync_tolerance: float | None = Field(
         None,
         gt=0,

@@ -89,6 +89,7 @@ def make_engine(
             rollout.servers,
             sync_dir=rollout.sync_dir or str(Path(run_dir or ".") / "weights-sync"),
             timeout_s=rollout.server_timeout_s,
+            server_wait_s=rollout.server_wait_s,
             api_key=os.environ.get("OPSD_VLLM_API_KEY") or None,
             sync_tolerance=rollout.sync_tolerance,
             transport=rollout.weight_sync,

