@@ -34,7 +34,7 @@ def test_evidence_script_dry_runs_on_the_cpu(tmp_path):
         ["bash", str(ROOT / "bench" / "gpu" / "evidence.sh"), "--tiny", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1200,
         cwd=tmp_path,  # the script finds the repository itself
     )
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
