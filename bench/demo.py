@@ -24,6 +24,8 @@ from pathlib import Path
 import _common
 from _md import write_section
 
+from opsd.procs import run_owned
+
 ROOT = _common.ROOT
 # The demo's targets: a whole demo within 90 s, +20 points, half the gap closed, control <= 3, no
 # evaluation more than 10 points below the base model; and seed 0's: a base at 20-45%, 90% or more after.
@@ -58,13 +60,11 @@ def run_demo(seed: int, out: Path, cache: Path, control: bool) -> dict:
         cmd.append("--control")
     load_before = _common.load_avg()
     t0 = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    with open(out / f"{name}.log", "w") as log:  # a child that ends with this script (opsd.procs)
+        status = run_owned(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).status
     wall = time.time() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"{' '.join(cmd)} failed with exit code {proc.returncode}; see {out / f'{name}.log'}"
-        )
+    if status != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {status}; see {out / f'{name}.log'}")
     r = json.loads((run_dir / "demo_result.json").read_text())
     r.update(wall_s=wall, load_before=load_before, load_after=_common.load_avg())
     print(

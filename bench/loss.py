@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,8 @@ from pathlib import Path
 import _common
 import torch
 from _md import write_section
+
+from opsd.procs import run_owned
 
 SHAPES = {"SmolLM2-135M": (576, 49152), "Qwen3-1.7B": (2048, 151936)}
 NS = (256, 1024, 4096)
@@ -192,13 +193,9 @@ def main() -> None:
 
 
 def _spawn(spec: dict, env: dict | None = None) -> dict | None:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
-    if out.returncode != 0:
+    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+    out = run_owned(cmd, capture=True, env={**os.environ, **(env or {})})  # ends with this script
+    if out.status != 0:
         print(f"{spec}: FAILED {out.stderr[-500:]}", flush=True)
         return None
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ import yaml
 from _md import write_section
 
 from opsd.distributed import torchrun_command
+from opsd.procs import run_owned
 
 ROOT = _common.ROOT
 BAD_MARKERS = ("Traceback", "terminate called", "SIGABRT", "Signal 6", "core dumped")
@@ -64,8 +64,8 @@ def one_run(config: Path, run_dir: Path) -> tuple[int, str]:
     """Exit status and combined output of one two-rank launch."""
     cmd = torchrun_command(2, "-m", "opsd", "train", "--config", str(config), "--overwrite")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # _common put ROOT on PYTHONPATH
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    return res.returncode, res.stdout + res.stderr
+    res = run_owned(cmd, capture=True, timeout_s=600, env=env)  # both ranks end with this script
+    return res.status, (res.stdout or "") + (res.stderr or "")
 
 
 def main() -> None:

@@ -728,8 +728,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="vLLM's dtype; auto (default): bfloat16 on a GPU or a CPU with bf16 units, else float32. "
-        "The trainer's rollout.sync_tolerance follows what the server reports",
+        help="vLLM's dtype; auto (default): what `opsd train` computes in at model.dtype=auto on this "
+        "machine (bfloat16 on a GPU or a CPU with bf16 units, else float32). Set it to the trainer's "
+        "model.dtype where that is another; the trainer names both dtypes where they differ",
     )
     p.add_argument(
         "--max-model-len",

@@ -169,6 +169,25 @@ def _one_line(err: BaseException) -> str:
     return msg
 
 
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@pytest.fixture
+def online(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline mode off, whatever the environment says (an offline cluster sets HF_HUB_OFFLINE=1):
+    huggingface_hub and datasets read the variables once, at import, so their constants are reset too.
+    The hub's answers themselves are faked by each test."""
+    import datasets
+    import huggingface_hub.constants
+
+    for name in OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+
+
+@pytest.mark.usefixtures("online")
 def test_hub_name_unreachable_fails_fast_and_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sources, "hub_reachable", lambda timeout_s=3.0: False)
 
@@ -184,6 +203,7 @@ def test_hub_name_unreachable_fails_fast_and_clearly(monkeypatch: pytest.MonkeyP
         assert "is unreachable" in msg and "local .jsonl" in msg
 
 
+@pytest.mark.usefixtures("online")
 def test_unknown_hub_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
     from datasets.exceptions import DatasetNotFoundError
 
@@ -207,6 +227,7 @@ def test_hub_name_offline_mode_cache_miss(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     monkeypatch.setattr(
         sources, "hub_reachable", lambda timeout_s=3.0: pytest.fail("no probe in offline mode")
     )
