@@ -82,6 +82,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "add_compare_arguments",
         "run_compare_command",
     ),
+    "probe": (
+        "before training: can OPSD help this model on this data? go / no-go in minutes",
+        "opsd.probe",
+        "add_probe_arguments",
+        "run_probe_command",
+    ),
     "report": (
         "plots and report.md for a run directory",
         "opsd.report",

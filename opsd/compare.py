@@ -327,6 +327,7 @@ def teacher_ceiling(trainer) -> dict:
     teacher's prompt, eval.grader and eval.lenient_grader): what the teacher itself gets right, the
     ceiling of what it can pass on. The held-out rows' data.solution_key holds their solutions."""
     from opsd.data import load_examples
+    from opsd.data.sources import take_rows
     from opsd.eval import evaluate_model
 
     cfg, e = trainer.cfg, trainer.cfg.eval
@@ -340,7 +341,8 @@ def teacher_ceiling(trainer) -> dict:
             solution_key=cfg.data.solution_key,
             answer_key=e.answer_key,
             require_answer=True,
-        ).examples[: e.limit]
+        ).examples
+        examples = take_rows(examples, e.rows, "eval.rows", e.path)[: e.limit]
     if not all(ex.solution.strip() for ex in examples):
         return {"accuracy": None, "why": f"some held-out rows have an empty {cfg.data.solution_key!r}"}
     res = evaluate_model(

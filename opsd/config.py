@@ -116,6 +116,11 @@ class DataConfig(_Section):
         description="The row field holding the final answer (graded by objective=grpo); null: none.",
     )
     split: str = Field("train", description="The split read from a saved DatasetDict or a hub dataset.")
+    rows: tuple[int, int] | None = Field(
+        None,
+        description="[START, END]: train on rows START to END - 1 only (0-based, file order); null: every "
+        "row. With eval.rows on the same file, a dev slice that training never reads.",
+    )
     skip_bad_rows: bool = Field(
         False,
         description="Skip malformed rows with a warning that counts them; false: the first one is an error.",
@@ -338,6 +343,13 @@ class LossConfig(_Section):
         "divergence), the loss reported unclipped (bounds the step, keeps its direction); none: no clipping.",
     )
     clip: float = Field(0.05, ge=0, description="The clamp of clip_mode.")
+    end_token: Literal["distill", "skip"] = Field(
+        "distill",
+        description="objective=opsd: distill: the end token that closes a stopped response is distilled like "
+        "any other; skip: it weighs 0, so the student keeps its own choice of where to stop (a teacher "
+        "reading the solution gives ending less mass than the student where the student's answer is "
+        "wrong, and pulls it to go on).",
+    )
     topk: int = Field(
         0, ge=0, description="mode=topk: the teacher's most likely tokens the loss is taken over."
     )
@@ -435,8 +447,8 @@ class GRPOConfig(_Section):
 
     grader: str = Field(
         "math",
-        description="The reward's grader: a name from opsd.grading.GRADERS (math, lenient, last_number) or "
-        "`package.module:function`.",
+        description="The reward's grader: a name from opsd.grading.GRADERS (math, lenient, last_number, "
+        "answer_is) or `package.module:function`.",
     )
     scale_rewards: bool = Field(
         False, description="Divide advantages by the group's standard deviation (off, as in Dr. GRPO)."
@@ -543,6 +555,11 @@ class EvalConfig(_Section):
     every: int = Field(0, ge=0, description="Evaluate every this many steps; 0: never.")
     k: int = Field(1, ge=1, description="Responses per problem (metrics avg@k and pass@k).")
     limit: int | None = Field(None, ge=1, description="The first this many problems only; null: all.")
+    rows: tuple[int, int] | None = Field(
+        None,
+        description="[START, END]: rows START to END - 1 of eval.path only (before eval.limit); null: "
+        "every row. A dev slice of the training file for tuning: data.rows=[0,1869], eval.rows=[1869,2069].",
+    )
     temperature: float = Field(
         0.0,
         ge=0,
@@ -553,7 +570,7 @@ class EvalConfig(_Section):
     answer_key: str = Field("answer", description="The held-out rows' field holding the final answer.")
     grader: str = Field(
         "math",
-        description="A name from opsd.grading.GRADERS (math, lenient, last_number) or "
+        description="A name from opsd.grading.GRADERS (math, lenient, last_number, answer_is) or "
         "`package.module:function`.",
     )
     lenient_grader: str | None = Field(

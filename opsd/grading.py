@@ -226,8 +226,31 @@ def grade_last_number(response: str, gold: str) -> Grade:
     return Grade(correct=correct, extracted=last, error=None)
 
 
+_ANSWER_IS = re.compile(r"[Tt]he answer is[ \t]*:?[ \t]*\$?[ \t]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)")
+
+
+def grade_answer_is(response: str, gold: str) -> Grade:
+    """The number after the response's last "The answer is" compared numerically with the gold answer;
+    no such phrase is wrong: the strict reading of the instruction "Finish with: The answer is N."
+    (arithmetic word problems). Never raises."""
+    found = _ANSWER_IS.findall(response)
+    if not found:
+        return Grade(correct=False, extracted=None, error=None)
+    said = found[-1].replace(",", "")
+    try:
+        correct = float(said) == float(normalize_gold(gold).replace(",", "").strip().lstrip("$"))
+    except ValueError:
+        return Grade(False, said, f"gold answer {normalize_gold(gold)[:100]!r} is not a number")
+    return Grade(correct=correct, extracted=said, error=None)
+
+
 # The graders by name: `opsd eval`'s `grader` key (and the GRPO reward's `grpo.grader`) use these names.
-GRADERS: dict[str, Grader] = {"math": grade, "lenient": grade_lenient, "last_number": grade_last_number}
+GRADERS: dict[str, Grader] = {
+    "math": grade,
+    "lenient": grade_lenient,
+    "last_number": grade_last_number,
+    "answer_is": grade_answer_is,
+}
 
 
 def resolve_grader(name: str, key: str) -> Callable[[str, str], Any]:

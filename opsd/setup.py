@@ -21,6 +21,7 @@ from opsd import cpu, distributed, models, parallel, precision
 from opsd.config import Config
 from opsd.data import DataCursor, Example, load_examples
 from opsd.data.controls import apply_solution_source
+from opsd.data.sources import take_rows
 from opsd.engines import make_engine
 from opsd.errors import UserError
 from opsd.metrics import MetricsWriter
@@ -54,8 +55,9 @@ def load_data(cfg: Config, *, privileged: bool, needs_answers: bool, rank: int, 
         drop_empty_solution=d.drop_empty_solution,
         require_answer=needs_answers,
     )
+    rows = take_rows(loaded.examples, d.rows, "data.rows", d.path)
     # The controls (teacher.solution_source other, wrong_answer): what the teacher reads instead.
-    examples, refused = apply_solution_source(loaded.examples, cfg.teacher.solution_source)
+    examples, refused = apply_solution_source(rows, cfg.teacher.solution_source)
     if not examples:
         raise UserError(
             f"{d.path}: teacher.solution_source=wrong_answer refused all {refused} rows: no solution has a "
@@ -68,7 +70,7 @@ def load_data(cfg: Config, *, privileged: bool, needs_answers: bool, rank: int, 
             file=sys.stderr,
         )
     report = {
-        "rows": len(loaded.examples),
+        "rows": len(rows),
         "skipped_bad": loaded.skipped_bad,
         "empty_solution": loaded.empty_solution,
         "dropped_empty": loaded.dropped_empty,
@@ -85,7 +87,8 @@ def load_data(cfg: Config, *, privileged: bool, needs_answers: bool, rank: int, 
             solution_key=d.solution_key if e.divergence else None,
             answer_key=e.answer_key,
             require_answer=True,
-        ).examples[: e.limit]
+        ).examples
+        held_out = take_rows(held_out, e.rows, "eval.rows", e.path)[: e.limit]
     return Data(examples, report, cursor, held_out)
 
 

@@ -19,7 +19,7 @@ from opsd import checkpoint, cpu, distributed, metrics, models, precision, setup
 from opsd.config import Config, resolve_engine
 from opsd.cpu.heap import reuse_freed_blocks, trim_heap
 from opsd.data import PromptBuilder, make_microbatches, make_sample
-from opsd.data.batching import MicroBatch, pad_microbatches
+from opsd.data.batching import MicroBatch, loss_tokens, pad_microbatches
 from opsd.devices import check_compiler, resolve_device
 from opsd.distributed import all_reduce_sum
 from opsd.errors import TrainingError, UserError
@@ -92,6 +92,7 @@ class Trainer:
         grader = resolve_grader(cfg.eval.grader, "eval.grader")
         self.eval_grader = lambda response, gold: as_grade(grader(response, gold))
         self.spec = cfg.loss.to_spec(cfg.rollout.temperature)
+        self.skip_end = cfg.loss.end_token == "skip" and cfg.objective == "opsd"
         self.check_lp = cfg.rollout.checks_logprobs()
         products = precision.loss_matmul_dtype(self.precision, self.device)
         self.loss_mm = products if cfg.loss.products == "auto" else None
@@ -185,9 +186,11 @@ class Trainer:
     def microbatches(self, samples: list) -> list[MicroBatch]:
         """Pack this rank's samples into micro-batches within the token budget, weighted by the global
         token and sequence counts, and padded to as many on every rank (FSDP's collectives match)."""
-        lens = [s.response_len for s in samples]
-        tokens, seqs = all_reduce_sum(torch.tensor([sum(lens), len(lens)], dtype=torch.float64)).tolist()
+        lens = [loss_tokens(s, self.skip_end) for s in samples]
+        read = sum(n > 0 for n in lens)
+        tokens, seqs = all_reduce_sum(torch.tensor([sum(lens), read], dtype=torch.float64)).tolist()
         counts = dict(reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs)
+        counts["skip_end"] = self.skip_end
         plan = dict(device=self.device, bucket=self.plan.bucket_widths, per_row_from=self.plan.pack_from)
         budget = dict(max_tokens=self.mb_tokens, min_real_frac=self.cfg.optim.min_real_token_frac)
         batches = make_microbatches(samples, pad_id=self.pad_id, **budget, **counts, **plan)

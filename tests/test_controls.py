@@ -124,3 +124,13 @@ def test_load_data_applies_the_control_and_reports_refusals(tmp_path):
         load_data(
             _cfg(tmp_path, rows[1:], "wrong_answer"), privileged=True, needs_answers=True, rank=0, world=1
         )
+
+
+def test_the_answer_is_convention_is_a_final_answer_and_is_made_wrong():
+    """Arithmetic word problems close with "The answer is N.": the final answer, and the last step's
+    result, change; the earlier steps stay."""
+    solution = "24 + 6 = 30. 30 + 11 = 41. 91 - 41 = 50. The answer is 50."
+    assert final_answer(solution) == "50"
+    assert wrong_answer_solution(solution) == "24 + 6 = 30. 30 + 11 = 41. 91 - 41 = 51. The answer is 51."
+    decimals = "0.5 + 0.25 = 0.75. The answer is 0.75."
+    assert wrong_answer_solution(decimals) == "0.5 + 0.25 = 1.75. The answer is 1.75."

@@ -219,9 +219,14 @@ def test_grade_lenient(response: str, gold: str, expected: bool) -> None:
 
 
 def test_graders_by_name() -> None:
-    from opsd.grading import grade_last_number
+    from opsd.grading import grade_answer_is, grade_last_number
 
-    assert GRADERS == {"math": grade, "lenient": grade_lenient, "last_number": grade_last_number}
+    assert GRADERS == {
+        "math": grade,
+        "lenient": grade_lenient,
+        "last_number": grade_last_number,
+        "answer_is": grade_answer_is,
+    }
 
 
 def test_last_number_grader_reads_boxed_strictly_then_the_last_number():
@@ -267,3 +272,28 @@ def test_training_imports_without_math_verify_and_grading_says_what_is_missing(t
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "USER ERROR grading with math-verify needs the math-verify package" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "response, gold, correct, extracted",
+    [
+        ("3 + 4 = 7. The answer is 7.", "7", True, "7"),
+        ("The answer is 1,200.", "1200", True, "1200"),
+        ("the answer is: 0.5", "0.5", True, "0.5"),
+        ("The answer is 6. Wait, the answer is 7.", "7", True, "7"),  # the last one counts
+        ("3 + 4 = 7.", "7", False, None),  # no "The answer is": strict
+        ("The answer is 8.", "7", False, "8"),
+    ],
+)
+def test_answer_is_reads_the_number_after_the_last_answer_phrase(response, gold, correct, extracted):
+    from opsd.grading import GRADERS
+
+    g = GRADERS["answer_is"](response, gold)
+    assert (g.correct, g.extracted, g.error) == (correct, extracted, None)
+
+
+def test_answer_is_records_a_gold_that_is_not_a_number():
+    from opsd.grading import grade_answer_is
+
+    g = grade_answer_is("The answer is 7.", "x + 1")
+    assert not g.correct and "not a number" in g.error

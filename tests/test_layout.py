@@ -98,7 +98,7 @@ def test_the_step_reads_top_to_bottom():
 
 MODEL_CODE = {"opsd.models", "opsd.teacher", "opsd.parallel", "opsd.rollout", "opsd.trainer"}
 LIGHT = ["opsd.config", "opsd.loss.spec", "opsd.data.sources", "opsd.data.prompts", "opsd.devices"]
-COMMANDS = ("opsd.cli", "opsd.eval", "opsd.sft", "opsd.demo", "opsd.compare")
+COMMANDS = ("opsd.cli", "opsd.eval", "opsd.sft", "opsd.demo", "opsd.compare", "opsd.probe")
 
 
 def _in(module: str, package: str) -> bool:

@@ -57,6 +57,13 @@ def make_sample(
     return sample
 
 
+def loss_tokens(sample: Sample, skip_end: bool) -> int:
+    """The response tokens the loss reads: every one, less the closing end token of a response that
+    stopped when ``skip_end`` (``loss.end_token=skip``: where the student chose to stop, the teacher's
+    view of stopping is not distilled)."""
+    return sample.response_len - int(skip_end and sample.finish_reason == "stop")
+
+
 def check_alignment(sample: Sample) -> None:
     """The loss compares position t of student and teacher: both must hold the same response token."""
     n = sample.response_len
@@ -190,6 +197,7 @@ def make_microbatches(
     min_real_frac: float = 0.0,
     bucket: bool = False,
     per_row_from: int | None = None,
+    skip_end: bool = False,
 ) -> list[MicroBatch]:
     """Pack samples under ``max_tokens`` padded tokens and build each group's tensors.
 
@@ -203,7 +211,8 @@ def make_microbatches(
     are gone (docs/cpu.md, "Packed rows"). The
     weights make the sum over all ranks' micro-batches the global loss: ``token`` reduction gives every
     response token 1 / global_tokens, ``sequence`` gives a length-n response's tokens 1 / (n * global_seqs)
-    (each sequence's mean, averaged over sequences).
+    (each sequence's mean, averaged over sequences). With ``skip_end`` a stopped response's end token
+    weighs 0 and is not counted (:func:`loss_tokens`; the caller's global counts do the same).
     """
     if reduction not in ("token", "sequence"):
         raise ValueError(f"reduction must be 'token' or 'sequence', got {reduction!r}")
@@ -213,7 +222,9 @@ def make_microbatches(
     groups = pack_microbatches(lengths, max_tokens, min_real_frac)
     dev = torch.device(device)
     return [
-        _microbatch(samples, group, pad_id, reduction, global_tokens, global_seqs, dev, bucket, per_row_from)
+        _microbatch(
+            samples, group, pad_id, reduction, global_tokens, global_seqs, dev, bucket, per_row_from, skip_end
+        )
         for group in groups
     ]
 
@@ -228,17 +239,12 @@ def _microbatch(
     device: torch.device,
     bucket: bool,
     per_row_from: int | None,
+    skip_end: bool,
 ) -> MicroBatch:
     mb = [samples[i] for i in group]
     resp = [s.response_len for s in mb]
-    weights = torch.cat(
-        [
-            torch.full(
-                (n,), 1.0 / (global_tokens if reduction == "token" else n * global_seqs), dtype=torch.float32
-            )
-            for n in resp
-        ]
-    ).to(device)
+    weights = torch.cat([_token_weights(s, reduction, global_tokens, global_seqs, skip_end) for s in mb])
+    weights = weights.to(device)
     targets = torch.tensor(
         [t for s in mb for t in s.student_ids[-s.response_len :]], dtype=torch.long, device=device
     )
@@ -269,6 +275,18 @@ def _microbatch(
         student_rows=s_rows,
         teacher_rows=t_rows,
     )
+
+
+def _token_weights(
+    sample: Sample, reduction: str, global_tokens: float, global_seqs: float, skip_end: bool
+) -> Tensor:
+    """``[response_len]`` loss weights: ``1 / global_tokens`` (token) or ``1 / (n * global_seqs)``
+    (sequence) on the ``n`` tokens the loss reads (:func:`loss_tokens`), 0 on a skipped end token."""
+    n = loss_tokens(sample, skip_end)
+    w = torch.zeros(sample.response_len, dtype=torch.float32)
+    if n:
+        w[:n] = 1.0 / (global_tokens if reduction == "token" else n * global_seqs)
+    return w
 
 
 def row_widths(lengths: list[int], bucket: bool, per_row_from: int | None) -> list[int] | None:

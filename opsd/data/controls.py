@@ -24,6 +24,7 @@ from opsd.data.sources import Example
 
 SOLUTION_SOURCES = ("own", "other", "wrong_answer")
 _HASHES = re.compile(r"####[ \t]*\$?[ \t]*(-?[\d,]*\.?\d+)")
+_ANSWER_IS = re.compile(r"[Tt]he answer is[ \t]*:?[ \t]*\$?[ \t]*(-?[\d,]*\.?\d+)")
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
 _RESULT = re.compile(r"(=[ \t]*\$?[ \t]*)(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)(?![\d.,]*\d)")
 _STANDALONE = re.compile(r"(?<![\w.,])(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?![\w]|[.,]\d)")
@@ -32,11 +33,12 @@ _NOTE = re.compile(r"<<([^<>]*)=([^<>=]*)>>(\s*\$?\s*)(-?[\d,]*\.?\d+)?")
 
 
 def final_answer(solution: str) -> str | None:
-    """The solution's final answer: the number after its last ``####`` (GSM8K), else its last
-    ``\\boxed{}`` content (MATH); None when it has neither."""
+    """The solution's final answer: the number after its last ``####`` (GSM8K), else after its last
+    "The answer is" (arithmetic word problems), else its last ``\\boxed{}`` content (MATH); None when
+    it has none of them."""
     from opsd.grading import extract_boxed
 
-    hashes = _HASHES.findall(solution)
+    hashes = _HASHES.findall(solution) or _ANSWER_IS.findall(solution)
     if hashes:
         return hashes[-1]
     boxed = extract_boxed(solution)
@@ -84,6 +86,7 @@ def wrong_answer_solution(solution: str, alternatives: Iterable[str] = ()) -> st
         return "".join(text.split()) == "".join(answer.split())
 
     out = _HASHES.sub(lambda m: m.group(0)[: m.start(1) - m.start(0)] + wrong, solution)
+    out = _ANSWER_IS.sub(lambda m: m.group(0)[: m.start(1) - m.start(0)] + wrong, out)
     out = _replace_boxed(out, same, wrong)
     lines = out.split("\n")
     worked = [i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("####")]

@@ -396,3 +396,18 @@ def check_messages(messages: list, where: str, error: type[Exception] = ValueErr
     if not any(m["role"] == "user" for m in out):
         raise error(f"{where}: messages list has no 'user' message; roles: {[m['role'] for m in out]}")
     return out
+
+
+def take_rows(examples: list[Example], rows: tuple[int, int] | None, key: str, source: str) -> list[Example]:
+    """Rows ``START`` to ``END - 1`` (0-based, file order); every row for None. One line naming the key
+    when the range is backwards or selects nothing. A dev slice of a training file is
+    ``data.rows=[0,1869]`` for training and ``eval.rows=[1869,2069]`` for evaluation: never a shared row."""
+    if rows is None:
+        return examples
+    start, end = rows
+    if not 0 <= start < end:
+        raise UserError(f"{key}=[{start}, {end}]: expected 0 <= START < END")
+    kept = examples[start:end]
+    if not kept:
+        raise UserError(f"{key}=[{start}, {end}] selects no rows of {source} ({len(examples)} rows)")
+    return kept

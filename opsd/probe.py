@@ -1,0 +1,471 @@
+"""`opsd probe`: whether OPSD can help this model on this data, in minutes, before any training.
+
+OPSD can pass on only what its teacher (the model reading the solution) knows and the student does
+not, and only through tokens the student samples. So the probe measures, on the first ``--limit``
+held-out problems (``eval.path``, whose rows need their solutions, ``data.solution_key``) and with the
+run's own prompts, engine, grader and loss:
+
+* the student's greedy accuracy (``eval.*`` settings), and its accuracy and truncation when sampled
+  as rollouts are (``rollout.temperature``, ``rollout.max_new_tokens``): are its samples worth scoring?
+* the teacher's ceiling: the model answering with the solution in the teacher prompt; the same
+  with another problem's solution and with the final answer made wrong (the controls' teachers);
+* whether the teacher stops: the share of its ceiling answers that end before the limit, and its
+  probability of the end token where the reference solution ends (the student's beside it);
+* on the student's sampled responses, per token: the divergence to the teacher, the share of tokens
+  whose top-1 differs, the teacher's mass on the two top-16 sets' overlap, the share of the
+  divergence the configured clip removes, the share of tokens whose clipped gradient raises their
+  own divergence (``entry``), and at the student's end token, the teacher's probability of ending
+  beside the student's (:func:`end_pull`): where the teacher would rather go on, OPSD teaches the
+  student not to stop.
+
+The verdict (:func:`verdict`): headroom = ceiling - student with a paired 95% interval, and go or
+no-go with its reasons; printed and saved as ``probe.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from opsd.errors import UserError
+
+BATCH = 8  # sequences a probe forward takes at once
+OVERLAP_K = 16  # the top-k of the overlap mass (arXiv 2604.13016: successful OPD keeps 97-99% there)
+MIN_TEACHER_STOPS = 0.5  # below this share of ceiling answers ending on their own, the teacher rambles
+MAX_SAMPLE_TRUNCATION = 0.5  # above this share of rollouts cut at the limit, the teacher scores noise
+
+
+@dataclass
+class Answers:
+    """One set of greedy or sampled answers to the probe's problems."""
+
+    accuracy: float
+    truncated: float  # share cut at the token limit
+    resp_len: float
+    correct: list[bool] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class TokenStats:
+    """Per-token figures on the student's sampled responses, against the teacher."""
+
+    tokens: int
+    divergence: float  # mean unclipped divergence (the configured loss, clip off)
+    top1_differs: float  # share of tokens whose teacher top-1 differs from the student's
+    overlap_mass: float  # mean teacher mass on the intersection of the two top-16 sets
+    clip_removed: float  # share of the summed divergence (its gradient, for scale) the clip takes away
+    steps_away: float  # share of tokens whose clipped gradient raises their own divergence
+    end_tokens: int  # responses that ended with an end token
+    end_teacher: float | None  # mean teacher probability of the end token where the student ended
+    end_student: float | None  # the student's own, at the same positions
+    end_teacher_correct: float | None  # the teacher's, at the ends of correct responses only
+    end_teacher_wrong: float | None  # ... of wrong ones
+
+
+def paired_interval(a: list[bool], b: list[bool], z: float = 1.96) -> tuple[float, float, float]:
+    """Mean of ``a - b`` over the same problems with its normal 95% interval (the paired difference of
+    two accuracies: its variance is that of the per-problem differences, not the sum of two)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired interval needs two equal, non-empty lists, got {len(a)} and {len(b)}")
+    d = [float(x) - float(y) for x, y in zip(a, b)]
+    n = len(d)
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / max(n - 1, 1)
+    half = z * math.sqrt(var / n)
+    return mean, mean - half, mean + half
+
+
+def verdict(probe: dict) -> tuple[str, list[str]]:
+    """``("go" | "no-go", reasons)`` from the probe's figures; the first reason is the headline."""
+    student, ceiling = probe["student"], probe["ceiling"]
+    mean, lo, hi = probe["headroom"]
+    no: list[str] = []
+    if ceiling["accuracy"] <= student["accuracy"] or lo <= 0:
+        no.append(
+            f"with the solution in its prompt the model scores {ceiling['accuracy']:.1%} in this answer "
+            f"format against {student['accuracy']:.1%} without it (headroom {mean:+.1%}, 95% interval "
+            f"[{lo:+.1%}, {hi:+.1%}]): the teacher knows nothing the student does not"
+        )
+    stops = 1 - ceiling["truncated"]
+    if stops < MIN_TEACHER_STOPS:
+        no.append(
+            f"the teacher rarely stops: {stops:.0%} of its answers end before eval.max_new_tokens; the "
+            "student would learn not to stop (try another data.teacher_template)"
+        )
+    sampled = probe["sampled"]
+    if sampled["truncated"] > MAX_SAMPLE_TRUNCATION:
+        no.append(
+            f"{sampled['truncated']:.0%} of the student's rollouts run to rollout.max_new_tokens at "
+            f"rollout.temperature={probe['settings']['rollout_temperature']}: the teacher would score mostly "
+            "unfinished text (lower the temperature or raise the limit)"
+        )
+    notes: list[str] = []
+    other = probe["ceiling_other"]
+    if other is not None and other["accuracy"] >= ceiling["accuracy"]:
+        notes.append(
+            f"another problem's solution gives the teacher {other['accuracy']:.1%}, as much as its own: the "
+            "gain would come from reading a worked solution, not this problem's"
+        )
+    tokens = probe["tokens"]
+    if tokens and tokens["steps_away"] > 0:
+        notes.append(
+            f"{tokens['steps_away']:.1%} of the sampled tokens step away from their teacher under "
+            "loss.clip_mode=entry (loss.clip_mode=scale or none keep every step a descent)"
+        )
+    pull = tokens and tokens["end_teacher"] is not None and tokens["end_student"] is not None
+    if pull and tokens["end_teacher"] < 0.5 * tokens["end_student"]:
+        notes.append(
+            f"where the student ends, the teacher gives the end token {tokens['end_teacher']:.2f} against "
+            f"the student's {tokens['end_student']:.2f}: OPSD will push the student to go on"
+        )
+    if no:
+        return "no-go", no + notes
+    return "go", [f"headroom {mean:+.1%} [{lo:+.1%}, {hi:+.1%}] over {probe['problems']} problems", *notes]
+
+
+def _answers(res) -> Answers:
+    correct = [bool(c) for it in res.items for c in it["correct"]]
+    return Answers(res.avg_at_k, res.truncated_frac, res.resp_len_mean, correct)
+
+
+def _evaluate(trainer, examples, prompts, *, temperature: float, max_new_tokens: int, name: str) -> Answers:
+    from opsd.eval import evaluate_model
+
+    res = evaluate_model(
+        trainer.model,
+        trainer.tokenizer,
+        examples,
+        k=1,
+        temperature=temperature,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        instruction=trainer.cfg.data.instruction,
+        enable_thinking=trainer.cfg.data.student_thinking,
+        max_prompt_len=trainer.cfg.data.max_prompt_len,
+        seed=trainer.cfg.seed,
+        engine=trainer.engine,
+        grader=trainer.eval_grader,
+        prompts=prompts,
+        name=name,
+    )
+    return _answers(res)
+
+
+def _ceiling(trainer, examples, source: str) -> Answers | None:
+    """Greedy answers with the teacher prompt holding the solution ``source`` gives (own, other,
+    wrong_answer); None where the wrong-answer control refuses every row."""
+    from opsd.data import PromptBuilder
+    from opsd.data.controls import apply_solution_source
+
+    shown, _ = apply_solution_source(examples, source)
+    if not shown:
+        return None
+    builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
+    prompts = [builder(i, ex)[1] for i, ex in enumerate(shown)]
+    e = trainer.cfg.eval
+    return _evaluate(trainer, shown, prompts, temperature=0.0, max_new_tokens=e.max_new_tokens, name=source)
+
+
+def _logits(trainer, seqs: list[list[int]], response_lens: list[int], *, teacher: bool) -> list:
+    """Per sequence, the ``[r, V]`` float32 logits predicting its last ``r`` tokens: batched forwards of
+    :data:`BATCH` right-padded rows (the teacher's through ``Teacher.score``, as training scores)."""
+    import torch
+
+    from opsd.data.batching import pad_right, response_positions
+    from opsd.parallel import forward_hidden, full_head_weight
+
+    out = []
+    for start in range(0, len(seqs), BATCH):
+        rows, lens = seqs[start : start + BATCH], response_lens[start : start + BATCH]
+        ids, mask = pad_right(rows, trainer.pad_id, trainer.device, False)
+        positions = response_positions([len(r) for r in rows], lens, ids.shape[1]).to(trainer.device)
+        with torch.no_grad(), trainer.autocast():
+            if teacher:
+                hidden, weight = trainer.teacher.score(ids, mask, positions)
+            else:
+                hidden = forward_hidden(trainer.model, ids, mask, positions)
+                weight = full_head_weight(trainer.model)
+        out += list((hidden.float() @ weight.float().t()).split(lens))
+    return out
+
+
+def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> TokenStats:
+    """:class:`TokenStats` over every sampled response: a student and a teacher forward each, the
+    loss's dense oracle on one response's ``[R, V]`` block at a time."""
+    import torch
+
+    from opsd.data import PromptBuilder
+    from opsd.loss import per_token_loss_dense
+    from opsd.rollout.base import _stop_ids
+
+    raw_spec = replace(spec, clip_mode="none", clip=0.0)
+    builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
+    ends = set(_stop_ids(trainer.tokenizer, trainer.model, []))
+    sums = dict(tokens=0, divergence=0.0, differs=0.0, overlap=0.0, removed=0.0, away=0)
+    end_t: list[float] = []
+    end_s: list[float] = []
+    end_by: dict[bool, list[float]] = {True: [], False: []}
+    for c, ok, zs, zt in _scored(trainer, builder, examples, completions, correct):
+        r = len(c.token_ids)
+        z = zs.clone().requires_grad_()
+        raw = per_token_loss_dense(z, zt, spec=raw_spec)
+        (g_raw,) = torch.autograd.grad(raw.sum(), z)
+        clipped = per_token_loss_dense(z, zt, spec=spec)
+        (g_clip,) = torch.autograd.grad(clipped.sum(), z)
+        raw = raw.detach()
+        sums["tokens"] += r
+        sums["divergence"] += raw.sum().item()
+        sums["differs"] += (zs.argmax(-1) != zt.argmax(-1)).sum().item()
+        a, b = zs / spec.temperature, zt / spec.temperature
+        p = b.softmax(-1)
+        top_s = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, a.topk(OVERLAP_K, -1).indices, True)
+        top_t = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, b.topk(OVERLAP_K, -1).indices, True)
+        sums["overlap"] += (p * (top_s & top_t)).sum().item()
+        # What the clip takes away: of the divergence (entry, token), or of its gradient's weight (scale).
+        kept = (
+            g_clip.norm(dim=-1) / g_raw.norm(dim=-1).clamp_min(1e-30) if spec.clip_mode == "scale" else None
+        )
+        removed = raw * (1 - kept) if kept is not None else (raw - clipped.detach()).clamp_min(0)
+        sums["removed"] += removed.sum().item() if spec.clip_mode != "none" else 0.0
+        sums["away"] += int(((g_clip * g_raw).sum(-1) < 0).sum().item())
+        if c.finish_reason == "stop" and c.token_ids[-1] in ends:
+            end = c.token_ids[-1]
+            pt = b[-1].softmax(-1)[end].item()
+            end_t.append(pt)
+            end_s.append(a[-1].softmax(-1)[end].item())
+            end_by[ok].append(pt)
+    n = max(sums["tokens"], 1)
+    return TokenStats(
+        tokens=sums["tokens"],
+        divergence=sums["divergence"] / n,
+        top1_differs=sums["differs"] / n,
+        overlap_mass=sums["overlap"] / n,
+        clip_removed=sums["removed"] / max(sums["divergence"], 1e-30),
+        steps_away=sums["away"] / n,
+        end_tokens=len(end_t),
+        end_teacher=_mean(end_t),
+        end_student=_mean(end_s),
+        end_teacher_correct=_mean(end_by[True]),
+        end_teacher_wrong=_mean(end_by[False]),
+    )
+
+
+def _scored(trainer, builder, examples, completions, correct):
+    """``(completion, correct, student logits, teacher logits)`` a batch at a time: only one batch's
+    ``[r, V]`` blocks are held (all of them would be gigabytes)."""
+    for start in range(0, len(completions), BATCH):
+        batch = completions[start : start + BATCH]
+        pairs = [builder(c.prompt_index, examples[c.prompt_index]) for c in batch]
+        lens = [len(c.token_ids) for c in batch]
+        student = _logits(trainer, [s + c.token_ids for (s, _), c in zip(pairs, batch)], lens, teacher=False)
+        teacher = _logits(trainer, [t + c.token_ids for (_, t), c in zip(pairs, batch)], lens, teacher=True)
+        yield from zip(batch, correct[start : start + BATCH], student, teacher)
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _reference_end(trainer, examples) -> dict:
+    """The teacher's and the student's probability of the end token right after the reference solution,
+    spliced as the response (the teacher's reads its own solution: does it know to stop there?)."""
+    from opsd.data import PromptBuilder
+    from opsd.rollout.base import _stop_ids
+
+    end = _stop_ids(trainer.tokenizer, trainer.model, [])[0]
+    builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
+    pairs = [builder(i, ex) for i, ex in enumerate(examples)]
+    tok = trainer.tokenizer
+    responses = [tok(ex.solution, add_special_tokens=False)["input_ids"] + [end] for ex in examples]
+    ones = [1] * len(examples)
+    teacher = _logits(trainer, [t + r for (_, t), r in zip(pairs, responses)], ones, teacher=True)
+    student = _logits(trainer, [s + r for (s, _), r in zip(pairs, responses)], ones, teacher=False)
+    return {
+        "teacher": _mean([z[0].softmax(-1)[end].item() for z in teacher]),
+        "student": _mean([z[0].softmax(-1)[end].item() for z in student]),
+    }
+
+
+def run_probe(
+    config: Path | None, overrides: list[str], out: Path, limit: int, progress: bool = True
+) -> dict:
+    """Every measurement of the module docstring on the first ``limit`` held-out problems; writes
+    ``out/probe.json`` (the trainer's scratch run directory is ``out/run``)."""
+    from opsd.compare import ceiling_context
+    from opsd.config import load_config
+    from opsd.rollout import SamplingParams
+    from opsd.trainer import Trainer
+
+    t0 = time.time()
+    cfg = load_config(config, overrides)
+    if not cfg.eval.path:
+        raise UserError("opsd probe needs eval.path: held-out problems with answers and solutions")
+    if not cfg.data.solution_key:
+        raise UserError("opsd probe needs data.solution_key: the teacher's privileged information")
+    probe_overrides = [
+        *overrides,
+        *ceiling_context(cfg),
+        f"logging.run_dir={out / 'run'}",
+        f"eval.limit={limit}",
+        "eval.divergence=true",  # the held-out rows are loaded with their solutions
+        "eval.every=0",
+        "checkpoint.enabled=false",
+        f"logging.progress={str(progress).lower()}",
+        "teacher.solution_source=own",
+    ]
+    cfg = load_config(config, probe_overrides)
+    _check_slice(cfg)  # before anything loads
+    trainer = Trainer(cfg, overwrite=True)
+    try:
+        examples = trainer.eval_examples
+        e, r = cfg.eval, cfg.rollout
+        _say(progress, f"probe: {len(examples)} problems of {e.path}")
+        student = _evaluate(
+            trainer, examples, None, temperature=0.0, max_new_tokens=e.max_new_tokens, name="student"
+        )
+        ceilings = {s: _ceiling(trainer, examples, s) for s in ("own", "other", "wrong_answer")}
+        prompts = [trainer.eval_prompts(i, ex)[0] for i, ex in enumerate(examples)]
+        params = SamplingParams.from_rollout(r, seed=cfg.seed)
+        completions = trainer.engine.generate(prompts, 1, params)
+        texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+        grades = [trainer.eval_grader(t, examples[c.prompt_index].answer) for t, c in zip(texts, completions)]
+        correct = [g.correct for g in grades]
+        sampled = Answers(
+            sum(correct) / len(correct),
+            sum(c.finish_reason == "length" for c in completions) / len(completions),
+            sum(len(c.token_ids) for c in completions) / len(completions),
+            correct,
+        )
+        trainer.engine.sleep()
+        _say(progress, "probe: scoring the sampled responses with the teacher")
+        tokens = _token_stats(trainer, examples, completions, correct, trainer.spec)
+        reference_end = _reference_end(trainer, examples)
+    finally:
+        trainer.close()
+    own = ceilings["own"]
+    result = {
+        "config": str(config) if config else None,
+        "overrides": overrides,
+        "problems": len(examples),
+        "settings": {
+            "eval_path": e.path,
+            "grader": e.grader,
+            "eval_max_new_tokens": e.max_new_tokens,
+            "rollout_temperature": r.temperature,
+            "rollout_max_new_tokens": r.max_new_tokens,
+            "loss": trainer.spec.describe(),
+        },
+        "student": asdict(student),
+        "sampled": asdict(sampled),
+        "ceiling": asdict(own),
+        "ceiling_other": asdict(ceilings["other"]) if ceilings["other"] else None,
+        "ceiling_wrong_answer": asdict(ceilings["wrong_answer"]) if ceilings["wrong_answer"] else None,
+        "headroom": paired_interval(own.correct, student.correct),
+        "reference_end": reference_end,
+        "tokens": asdict(tokens),
+    }
+    result["verdict"], result["reasons"] = verdict(result)
+    result["seconds"] = round(time.time() - t0, 1)
+    for key in ("student", "sampled", "ceiling", "ceiling_other", "ceiling_wrong_answer"):
+        if result[key] is not None:
+            result[key].pop("correct")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "probe.json").write_text(json.dumps(result, indent=2))
+    print(format_probe(result))
+    return result
+
+
+def _check_slice(cfg) -> None:
+    """The probe's held-out rows, read once before the model loads: each needs an answer and a
+    solution; the slice must hold at least one."""
+    from opsd.data import load_examples
+    from opsd.data.sources import take_rows
+
+    e, d = cfg.eval, cfg.data
+    loaded = load_examples(
+        e.path,
+        problem_key=d.problem_key,
+        solution_key=d.solution_key,
+        answer_key=e.answer_key,
+        require_answer=True,
+    )
+    examples = take_rows(loaded.examples, e.rows, "eval.rows", e.path)[: e.limit]
+    if not examples:
+        raise UserError(f"eval.path={e.path}: the probe's slice holds no problems")
+    empty = [ex.row for ex in examples if not ex.solution.strip()]
+    if empty:
+        raise UserError(
+            f"{e.path}: rows {empty[:5]} have no {d.solution_key!r}: the teacher would read nothing (the "
+            "probe needs every held-out row's solution)"
+        )
+
+
+def format_probe(p: dict) -> str:
+    """The probe as a short table and its verdict."""
+    named = [
+        ("student, greedy", "student"),
+        (f"student, sampled at T={p['settings']['rollout_temperature']}", "sampled"),
+        ("teacher ceiling (its solution)", "ceiling"),
+        ("ceiling, another problem's solution", "ceiling_other"),
+        ("ceiling, wrong final answer", "ceiling_wrong_answer"),
+    ]
+    lines = [
+        f"| answers ({p['problems']} problems, {p['settings']['grader']}) | accuracy | truncated | length |",
+        "|---|---|---|---|",
+    ]
+    for name, key in named:
+        a = p[key]
+        if a is not None:
+            lines.append(f"| {name} | {a['accuracy']:.1%} | {a['truncated']:.1%} | {a['resp_len']:.0f} |")
+    t = p["tokens"]
+    ref = p["reference_end"]
+    lines += [
+        "",
+        f"on {t['tokens']} sampled tokens ({p['settings']['loss']}): divergence {t['divergence']:.3f}, "
+        f"teacher top-1 differs {t['top1_differs']:.1%}, "
+        f"top-{OVERLAP_K} overlap mass {t['overlap_mass']:.3f}, "
+        f"clip removes {t['clip_removed']:.1%}, steps away from the teacher {t['steps_away']:.1%}",
+        f"end token where the student ended ({t['end_tokens']} responses): teacher {_p(t['end_teacher'])}, "
+        f"student {_p(t['end_student'])} (teacher after correct {_p(t['end_teacher_correct'])}, after wrong "
+        f"{_p(t['end_teacher_wrong'])}); after the reference solution: teacher {_p(ref['teacher'])}, "
+        f"student {_p(ref['student'])}",
+        "",
+        f"verdict: {p['verdict']}: " + "; ".join(p["reasons"]),
+        f"({p['seconds']:.0f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def _p(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr)
+
+
+def add_probe_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Before training: the student's accuracy, the teacher's ceiling (with the solution, another "
+        "problem's, a wrong answer), whether the teacher stops, and the divergence on the student's own "
+        "samples, on a slice of eval.path; a go / no-go verdict, saved as OUT/probe.json."
+    )
+    p.add_argument("--config", type=Path, required=True, help="the run's YAML config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, as for opsd train")
+    p.add_argument(
+        "--limit", type=int, default=100, help="held-out problems probed (the first N of eval.path)"
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/probe"), help="where probe.json goes")
+
+
+def run_probe_command(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise UserError(f"--limit {args.limit}: the probe needs at least 1 problem")
+    run_probe(args.config, list(args.overrides), args.out, args.limit)
+    return 0

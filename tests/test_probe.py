@@ -1,0 +1,147 @@
+"""`opsd probe` on the tiny model: every figure it promises, its verdict rules, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from helpers import build_assets
+
+from opsd import probe
+from opsd.cli import main
+from opsd.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("probe")
+    a = build_assets(root)
+    rows = [
+        {
+            "problem": f"What is {x} + 3?",
+            "solution": f"{x} + 3 = {x + 3}. The answer is {x + 3}.",
+            "answer": str(x + 3),
+        }
+        for x in range(6)
+    ]
+    (root / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return a | {"heldout": str(root / "heldout.jsonl")}
+
+
+def _overrides(assets, *more: str) -> list[str]:
+    return [
+        f"model.path={assets['model']}",
+        f"data.path={assets['data']}",
+        "model.lora.r=4",
+        "model.lora.alpha=8",
+        "model.dtype=float32",
+        "rollout.engine=hf",
+        "rollout.temperature=1.0",
+        "rollout.max_new_tokens=5",
+        "data.max_prompt_len=256",
+        f"eval.path={assets['heldout']}",
+        "eval.max_new_tokens=5",
+        "eval.grader=last_number",
+        "loss.clip_mode=entry",
+        "loss.clip=0.05",
+        *more,
+    ]
+
+
+def test_the_probe_measures_everything_and_saves_its_verdict(assets, tmp_path, capsys):
+    out = tmp_path / "probe"
+    res = probe.run_probe(None, _overrides(assets), out, limit=4, progress=False)
+    saved = json.loads((out / "probe.json").read_text())
+    assert saved["verdict"] == res["verdict"] in ("go", "no-go") and saved["reasons"]
+    assert saved["problems"] == 4
+    for key in ("student", "sampled", "ceiling", "ceiling_other", "ceiling_wrong_answer"):
+        a = saved[key]
+        assert 0 <= a["accuracy"] <= 1 and 0 <= a["truncated"] <= 1 and 1 <= a["resp_len"] <= 5
+    mean, lo, hi = saved["headroom"]
+    assert lo <= mean <= hi
+    t = saved["tokens"]
+    assert t["tokens"] >= 4  # one sampled response a problem, at least one token each
+    for key in ("top1_differs", "overlap_mass", "clip_removed", "steps_away"):
+        assert 0 <= t[key] <= 1, key
+    assert t["divergence"] >= 0 and math.isfinite(t["divergence"])
+    ref = saved["reference_end"]
+    assert 0 < ref["teacher"] < 1 and 0 < ref["student"] < 1
+    assert "clip_mode=entry" in saved["settings"]["loss"]
+    printed = capsys.readouterr().out
+    assert "teacher ceiling" in printed and f"verdict: {saved['verdict']}" in printed
+
+
+def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, other=0.05):
+    n = 100
+    s = [i < student * n for i in range(n)]
+    c = [i < ceiling * n for i in range(n)]
+    return {
+        "problems": n,
+        "settings": {"rollout_temperature": 0.7},
+        "student": {"accuracy": student, "truncated": 0.3},
+        "sampled": {"accuracy": student, "truncated": sampled_trunc},
+        "ceiling": {"accuracy": ceiling, "truncated": ceiling_trunc},
+        "ceiling_other": {"accuracy": other, "truncated": 0.3},
+        "headroom": probe.paired_interval(c, s),
+        "tokens": {"steps_away": 0.0, "end_teacher": 0.5, "end_student": 0.6},
+    }
+
+
+@pytest.mark.parametrize(
+    "figures, verdict, reason",
+    [
+        (_figures(), "go", "headroom +85.0%"),
+        (
+            _figures(student=0.0, ceiling=0.0),
+            "no-go",
+            "with the solution in its prompt the model scores 0.0%",
+        ),
+        (_figures(ceiling_trunc=0.8), "no-go", "the teacher rarely stops: 20%"),
+        (_figures(sampled_trunc=0.9), "no-go", "90% of the student's rollouts run to rollout.max_new_tokens"),
+        (_figures(other=0.9), "go", "another problem's solution gives the teacher 90.0%"),
+    ],
+)
+def test_the_verdict_names_its_reason(figures, verdict, reason):
+    got, reasons = probe.verdict(figures)
+    assert got == verdict
+    assert any(reason in r for r in reasons), reasons
+
+
+def test_the_headroom_interval_is_paired():
+    # d = [1, 0, 0, -1]: mean 0, sample variance 2/3, half-width 1.96 sqrt(2/3 / 4) (float64, exact to ~u)
+    mean, lo, hi = probe.paired_interval([True, True, False, False], [False, True, False, True])
+    assert mean == 0 and hi == pytest.approx(1.96 * math.sqrt(2 / 3 / 4), rel=1e-12) and lo == -hi
+    with pytest.raises(ValueError):
+        probe.paired_interval([], [])
+
+
+@pytest.mark.parametrize(
+    "more, message",
+    [
+        (["data.solution_key=null"], "needs data.solution_key"),
+        (["eval.path=null"], "needs eval.path"),
+        (["eval.rows=[50,60]"], "selects no rows"),
+    ],
+)
+def test_bad_input_is_one_line(assets, tmp_path, more, message):
+    with pytest.raises(UserError, match=message):
+        probe.run_probe(None, _overrides(assets, *more), tmp_path / "p", limit=2, progress=False)
+
+
+def test_rows_without_solutions_or_answers_are_one_line(assets, tmp_path, capsys):
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps({"problem": "What is 1 + 1?", "solution": "", "answer": "2"}) + "\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("seed: 0\n")
+    argv = ["probe", "--config", str(config), "--out", str(tmp_path / "p"), "--limit", "1"]
+    assert main([*argv, *_overrides(assets, f"eval.path={bare}")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "have no 'solution'" in err[0]
+    unanswered = tmp_path / "unanswered.jsonl"
+    unanswered.write_text(json.dumps({"problem": "What is 1 + 1?", "solution": "1 + 1 = 2."}) + "\n")
+    assert main([*argv, *_overrides(assets, f"eval.path={unanswered}")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "answer" in err[0]
+    assert main([*argv[:-1], "0", *_overrides(assets)]) == 2
+    assert "--limit 0" in capsys.readouterr().err
