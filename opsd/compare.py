@@ -52,6 +52,45 @@ NOTES = {
     "its row shows how far noise alone moves the student",
 }
 MARKER = "compare.json"  # only a directory holding it is written into again
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A method of :data:`METHODS` under a name of its own with some config keys changed
+    (``--variant opsd_entry=opsd:loss.clip_mode=entry,loss.clip=0.05``): several settings of one method
+    side by side at the same budget, on the same base evaluation."""
+
+    name: str
+    method: str
+    overrides: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        name, sep, rest = text.partition("=")
+        method, sep2, keys = rest.partition(":")
+        overrides = tuple(k.strip() for k in keys.split(",") if k.strip())
+        if not (sep and sep2 and name.strip() and overrides) or any("=" not in k for k in overrides):
+            raise UserError(f"--variant {text!r}: expected NAME=METHOD:KEY=VALUE[,KEY=VALUE...]")
+        if method not in METHODS:
+            raise UserError(f"--variant {text!r}: unknown method {method!r}; choose from {list(METHODS)}")
+        if name in METHODS:
+            raise UserError(f"--variant {text!r}: {name!r} is a method's own name; choose another")
+        return cls(name.strip(), method, overrides)
+
+    def label(self) -> str:
+        return f"{METHODS[self.method]} ({', '.join(self.overrides)})"
+
+
+def label(result: dict, method: str) -> str:
+    """A method's name in the report: its description, or a variant's method and keys."""
+    variant = result.get("variants", {}).get(method)
+    return (
+        Variant(method, variant["method"], tuple(variant["overrides"])).label()
+        if variant
+        else METHODS[method]
+    )
+
+
 TUNED = ("grpo", "mixed")  # the methods `opsd compare --tune` chooses settings for
 
 
@@ -112,6 +151,7 @@ class EvalPoint:
     truncated: float | None = None  # share of responses cut at eval.max_new_tokens
     repetition: float | None = None  # mean share of repeated word 4-grams (:func:`repetition_rate`)
     teacher_tokens: int = 0  # response tokens the teacher scored so far; 0 for GRPO and SFT
+    correct: list[float] | None = None  # per held-out problem, its share of correct samples (paired tests)
 
 
 @dataclass
@@ -286,6 +326,7 @@ def _evaluate(trainer, step: int, tokens: int, seconds: float, teacher_tokens: i
         truncated=res.truncated_frac,
         repetition=_mean([repetition_rate(r) for it in res.items for r in it["responses"]]),
         teacher_tokens=teacher_tokens,
+        correct=[sum(it["correct"]) / len(it["correct"]) for it in res.items],
     )
 
 
@@ -472,8 +513,12 @@ def run_compare(
     distill_coef: float | None = None,
     progress: bool = True,
     ceiling: bool = False,
+    variants: list[Variant] = (),
 ) -> dict:
     """Every method on every seed into ``out``; writes compare.json, compare.md and compare.png.
+
+    ``variants``: more methods, each a method of :data:`METHODS` with some keys changed (:class:`Variant`),
+    named in ``methods`` like the others.
 
     ``ceiling``: also evaluate the base model once with each held-out problem's solution in its
     prompt (:func:`teacher_ceiling`, into ``OUT/ceiling.json``) before the first method trains.
@@ -487,9 +532,10 @@ def run_compare(
         raise UserError(
             "opsd compare needs eval.path: a held-out file with answers, the same for every method"
         )
-    unknown = [m for m in methods if m not in METHODS]
+    named = {v.name: v for v in variants}
+    unknown = [m for m in methods if m not in METHODS and m not in named]
     if unknown:
-        raise UserError(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+        raise UserError(f"--methods: unknown {unknown}; choose from {list(METHODS)} or a --variant's name")
     steps = steps or cfg.optim.max_steps
     budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, eval_every or max(1, steps // 4))
     out = Path(out)
@@ -521,12 +567,17 @@ def run_compare(
             run_dir = out / f"seed{seed}" / method
             done = run_dir / "compare_method.json"
             want = ceiling_path if ceiling and not ceiling_path.is_file() else None
+            kind, keys = (
+                (named[method].method, list(named[method].overrides)) if method in named else (method, [])
+            )
             if done.is_file():  # finished earlier: read back, not rerun
                 run = _read_run(done)
-            elif method == "sft":
-                run = run_sft_method(seed, config, overrides, run_dir, budget, sft_lr, base, progress, want)
+            elif kind == "sft":
+                over = [*overrides, *keys]
+                run = run_sft_method(seed, config, over, run_dir, budget, sft_lr, base, progress, want)
+                run.method = method
             else:
-                extra = method_overrides(method, grpo, coef, budget, mixed)
+                extra = [*method_overrides(kind, grpo, coef, budget, mixed), *keys]
                 run = run_trainer_method(
                     method, seed, config, overrides, extra, run_dir, budget, base, progress, want
                 )
@@ -542,6 +593,7 @@ def run_compare(
         "distill_coef": coef,
         "lr": {"opsd": cfg.optim.lr, "sft": sft_lr, "grpo": grpo.lr, "mixed": mixed.lr},
         "methods": methods,
+        "variants": {v.name: {"method": v.method, "overrides": list(v.overrides)} for v in variants},
         "seeds": seeds,
         "runs": [asdict(r) for r in runs],
         "ceiling": json.loads(ceiling_path.read_text()) if ceiling_path.is_file() else None,
@@ -757,6 +809,37 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def paired_interval(a: list[float], b: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """Mean of ``a - b`` over the same problems with its normal 95% interval: the paired difference of
+    two accuracies, whose variance is that of the per-problem differences (two methods that fail and
+    succeed on the same problems differ with a far narrower interval than two Wilson intervals show)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired interval needs two equal, non-empty lists, got {len(a)} and {len(b)}")
+    d = [float(x) - float(y) for x, y in zip(a, b)]
+    n = len(d)
+    mean = sum(d) / n
+    var = sum((x - mean) ** 2 for x in d) / max(n - 1, 1)
+    half = z * math.sqrt(var / n)
+    return mean, mean - half, mean + half
+
+
+def _per_problem(points: list[dict]) -> list[float] | None:
+    """Per problem, the mean over seeds of its share correct; None where a point did not record it."""
+    lists = [p.get("correct") for p in points]
+    if not lists or any(x is None for x in lists) or len({len(x) for x in lists}) != 1:
+        return None
+    return [sum(xs) / len(xs) for xs in zip(*lists)]
+
+
+def _difference(a: list[dict], b: list[dict]) -> str:
+    """``a - b`` in points with its paired 95% interval, or "-" without per-problem records."""
+    pa, pb = _per_problem(a), _per_problem(b)
+    if pa is None or pb is None or len(pa) != len(pb):
+        return "-"
+    mean, lo, hi = paired_interval(pa, pb)
+    return f"{100 * mean:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
 def _acc(ps: list[dict]) -> str:
     """Mean strict accuracy over seeds (± half the range), with the 95% Wilson interval over the
     held-out problems at that mean."""
@@ -785,9 +868,9 @@ def format_table(result: dict) -> str:
     the teacher scored, training wall time); means over seeds. The teacher's ceiling and the budget
     underneath."""
     lines = [
-        "| method | accuracy [95% CI] | lenient | gain | length | truncated | repetition | divergence "
-        "| best at step | generated tokens | teacher tokens | train time | lr |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | accuracy [95% CI] | lenient | gain [paired 95% CI] | gap closed | length | truncated "
+        "| repetition | divergence | best at step | generated tokens | teacher tokens | train time | lr |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lr = result["lr"]
     firsts = [r["points"][0] for r in result["runs"]]
@@ -805,23 +888,32 @@ def format_table(result: dict) -> str:
         _avg(ps, "repetition", ".1%"),
         _avg(ps, "divergence", ".4f"),
     ]
+    top = (result.get("ceiling") or {}).get("accuracy")  # the teacher's ceiling
     row = cells(base)
-    lines.append(f"| base model | {row[0]} | {row[1]} | - | {' | '.join(row[3:])} | 0 | 0 | 0 | 0 s | - |")
+    lines.append(
+        f"| base model | {row[0]} | {row[1]} | - | - | {' | '.join(row[3:])} | 0 | 0 | 0 | 0 s | - |"
+    )
     for m in result["methods"]:
         runs = _runs(result, m)
         final = [r["points"][-1] for r in runs]
         best = [_best(r["points"]) for r in runs]
         gains = [r["points"][-1]["accuracy"] - r["points"][0]["accuracy"] for r in runs]
         row = cells(final)
-        row[2] = f"{100 * sum(gains) / len(gains):+.1f}"
-        rate = lr.get(m, lr["grpo"] if m == "mixed" else lr["opsd"])
+        gain = sum(gains) / len(gains)
+        paired = _difference(final, [r["points"][0] for r in runs])
+        row[2] = paired if paired != "-" else f"{100 * gain:+.1f}"
+        start = sum(r["points"][0]["accuracy"] for r in runs) / len(runs)
+        closed = f"{gain / (top - start):.1%}" if top is not None and top > start else "-"
+        row.insert(3, closed)
+        rate = runs[0].get("lr") or lr.get(m, lr["grpo"] if m == "mixed" else lr["opsd"])
         cost = [
             _avg(best, "step", ".0f"),
             _avg(best, "generated_tokens", ",.0f"),
             _avg(best, "teacher_tokens", ",.0f"),
             _avg(best, "train_seconds", ".0f") + " s",
         ]
-        lines.append(f"| {METHODS[m]} | {' | '.join(row)} | {' | '.join(cost)} | {rate:.3g} |")
+        lines.append(f"| {label(result, m)} | {' | '.join(row)} | {' | '.join(cost)} | {rate:.3g} |")
+    lines += _paired_block(result)
     b = result["budget"]
     lines += [
         "",
@@ -832,7 +924,7 @@ def format_table(result: dict) -> str:
     ]
     for r in result["runs"]:
         if r.get("stopped_by"):
-            lines.append(f"{METHODS[r['method']]}, seed {r['seed']}: stopped by {r['stopped_by']}.")
+            lines.append(f"{label(result, r['method'])}, seed {r['seed']}: stopped by {r['stopped_by']}.")
     ceiling = result.get("ceiling")
     if ceiling and ceiling.get("accuracy") is not None:
         lenient = "" if ceiling.get("lenient") is None else f", lenient {100 * ceiling['lenient']:.1f}%"
@@ -845,12 +937,35 @@ def format_table(result: dict) -> str:
         lines.append(f"Teacher's ceiling: not measured ({ceiling.get('why')}).")
     lines.append(
         "accuracy: eval.grader over problems x eval.k, [95% Wilson interval over the problems]; lenient: "
-        "eval.lenient_grader; length: mean response tokens; truncated: share cut at eval.max_new_tokens; "
-        "repetition: mean share of repeated word 4-grams per response; best at step: the first evaluation "
-        "at the run's highest accuracy, and what reaching it cost (teacher tokens: response tokens the "
-        "teacher scored; 0 for GRPO and SFT)."
+        "eval.lenient_grader; gain: final minus step 0 in points, [paired 95% interval over the same "
+        "problems]; gap closed: gain / (teacher's ceiling - step 0); length: mean response tokens; "
+        "truncated: share cut at eval.max_new_tokens; repetition: mean share of repeated word 4-grams per "
+        "response; best at step: the first evaluation at the run's highest accuracy, and what reaching it "
+        "cost (teacher tokens: response tokens the teacher scored; 0 for GRPO and SFT)."
     )
     return "\n".join(lines)
+
+
+def _kind(result: dict, method: str) -> str:
+    variant = result.get("variants", {}).get(method)
+    return variant["method"] if variant else method
+
+
+def _paired_block(result: dict) -> list[str]:
+    """Each OPSD method's final accuracy against every other kind of method's, on the same problems
+    (mean over seeds per problem): the difference in points with its paired 95% interval."""
+    finals = {m: [r["points"][-1] for r in _runs(result, m)] for m in result["methods"]}
+    opsd = [m for m in result["methods"] if _kind(result, m) == "opsd"]
+    others = [m for m in result["methods"] if _kind(result, m) != "opsd"]
+    rows = [
+        f"| {label(result, a)} | {label(result, b)} | {_difference(finals[a], finals[b])} |"
+        for a in opsd
+        for b in others
+        if _difference(finals[a], finals[b]) != "-"
+    ]
+    if not rows:
+        return []
+    return ["", "| method | against | difference in points [paired 95% CI] |", "|---|---|---|", *rows, ""]
 
 
 def plot_compare(path: Path, result: dict) -> Path:
@@ -867,9 +982,9 @@ def plot_compare(path: Path, result: dict) -> Path:
         mean = [sum(r["points"][i]["accuracy"] for r in runs) / len(runs) for i in range(n)]
         steps = [runs[0]["points"][i]["step"] for i in range(n)]
         tokens = [sum(r["points"][i]["generated_tokens"] for r in runs) / len(runs) for i in range(n)]
-        by_step.plot(steps, mean, marker="o", label=METHODS[m])
+        by_step.plot(steps, mean, marker="o", label=label(result, m))
         if m != "sft":
-            by_tokens.plot(tokens, mean, marker="o", label=METHODS[m])
+            by_tokens.plot(tokens, mean, marker="o", label=label(result, m))
     by_step.set(xlabel="optimizer step", ylabel="held-out accuracy", title="accuracy vs steps")
     by_tokens.set(xlabel="generated tokens", ylabel="held-out accuracy", title="accuracy vs generated tokens")
     by_step.legend(fontsize=8)
@@ -901,6 +1016,13 @@ def add_compare_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="the `opsd train` YAML config (with eval.path)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, as for opsd train")
     p.add_argument("--methods", default="opsd,grpo,sft,mixed,control_b", help=f"from {','.join(METHODS)}")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=METHOD:KEY=VALUE[,KEY=VALUE]",
+        help="one more method: METHOD with these keys changed, named NAME in --methods (repeatable)",
+    )
     p.add_argument("--seeds", type=_ints, default=[0], help="reported seeds, e.g. 0,1,2")
     p.add_argument("--steps", type=int, help="optimizer steps per method (default: optim.max_steps)")
     p.add_argument("--eval-every", type=int, help="held-out evaluation every K steps (default: steps/4)")
@@ -964,6 +1086,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
         distill_coef=args.distill_coef,
         progress=not args.no_progress,
         ceiling=not args.no_ceiling,
+        variants=[Variant.parse(v) for v in args.variant],
     )
     finals = [r["points"][-1]["accuracy"] for r in result["runs"]]
     if any(math.isnan(a) for a in finals):

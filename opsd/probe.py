@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from opsd.compare import ceiling_context, paired_interval
 from opsd.errors import UserError
 
 BATCH = 8  # sequences a probe forward takes at once
@@ -65,19 +65,6 @@ class TokenStats:
     end_student: float | None  # the student's own, at the same positions
     end_teacher_correct: float | None  # the teacher's, at the ends of correct responses only
     end_teacher_wrong: float | None  # ... of wrong ones
-
-
-def paired_interval(a: list[bool], b: list[bool], z: float = 1.96) -> tuple[float, float, float]:
-    """Mean of ``a - b`` over the same problems with its normal 95% interval (the paired difference of
-    two accuracies: its variance is that of the per-problem differences, not the sum of two)."""
-    if len(a) != len(b) or not a:
-        raise ValueError(f"paired interval needs two equal, non-empty lists, got {len(a)} and {len(b)}")
-    d = [float(x) - float(y) for x, y in zip(a, b)]
-    n = len(d)
-    mean = sum(d) / n
-    var = sum((x - mean) ** 2 for x in d) / max(n - 1, 1)
-    half = z * math.sqrt(var / n)
-    return mean, mean - half, mean + half
 
 
 def verdict(probe: dict) -> tuple[str, list[str]]:
@@ -296,7 +283,6 @@ def run_probe(
 ) -> dict:
     """Every measurement of the module docstring on the first ``limit`` held-out problems; writes
     ``out/probe.json`` (the trainer's scratch run directory is ``out/run``)."""
-    from opsd.compare import ceiling_context
     from opsd.config import load_config
     from opsd.rollout import SamplingParams
     from opsd.trainer import Trainer

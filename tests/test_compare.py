@@ -125,6 +125,22 @@ def test_wilson_interval_and_repetition_rate():
     assert compare.repetition_rate("too short") == 0.0
 
 
+def _result(methods: list[str], *, steps: int, runs: list[dict], ceiling: dict, variants=None) -> dict:
+    """A comparison's result as `run_compare` writes it, around the given runs."""
+    return {
+        "methods": methods,
+        "variants": variants or {},
+        "seeds": [0],
+        "lr": {"opsd": 1e-5, "sft": 1e-5, "grpo": 1e-5},
+        "budget": {"steps": steps, "responses_per_step": 4, "eval_every": 2},
+        "grpo": {},
+        "grpo_source": "config",
+        "distill_coef": 1.0,
+        "runs": runs,
+        "ceiling": ceiling,
+    }
+
+
 def test_the_table_reads_older_points_and_marks_the_best():
     def point(step, acc, **kw):
         return {
@@ -136,27 +152,75 @@ def test_the_table_reads_older_points_and_marks_the_best():
             **kw,
         }
 
-    result = {
-        "methods": ["opsd"],
-        "seeds": [0],
-        "lr": {"opsd": 1e-5, "sft": 1e-5, "grpo": 1e-5},
-        "budget": {"steps": 4, "responses_per_step": 4, "eval_every": 2},
-        "grpo": {},
-        "grpo_source": "config",
-        "distill_coef": 1.0,
-        "runs": [
+    result = _result(
+        ["opsd"],
+        steps=4,
+        runs=[
             {
                 "method": "opsd",
                 "seed": 0,
                 "points": [point(0, 0.1), point(2, 0.4, problems=200), point(4, 0.4, problems=200)],
             }
         ],
-        "ceiling": {"accuracy": 0.9, "lenient": 0.95, "problems": 200},
-    }
+        ceiling={"accuracy": 0.9, "lenient": 0.95, "problems": 200},
+    )
     table = compare.format_table(result)
     row = next(x for x in table.splitlines() if x.startswith("| OPSD"))
     assert "40.0% [33.5, 46.9]" in row and "+30.0" in row and "| 2 | 20 |" in row
     assert "Teacher's ceiling" in table and "90.0% [85.1, 93.4], lenient 95.0%" in table
+
+
+def test_variants_paired_differences_and_the_gap_closed():
+    """Per-problem records give each gain a paired interval and each OPSD method a difference against
+    every other kind of method; a variant is named by its method and keys."""
+
+    def point(step, correct):
+        acc = sum(correct) / len(correct)
+        return {
+            "step": step,
+            "accuracy": acc,
+            "generated_tokens": 0,
+            "train_seconds": 0.0,
+            "correct": correct,
+        }
+
+    base = [1.0, 0.0, 0.0, 0.0]  # 25% at step 0
+    result = _result(
+        ["opsd", "opsd_entry", "sft"],
+        steps=2,
+        variants={"opsd_entry": {"method": "opsd", "overrides": ["loss.clip_mode=entry"]}},
+        runs=[
+            {
+                "method": "opsd",
+                "seed": 0,
+                "lr": 1e-4,
+                "points": [point(0, base), point(2, [1.0, 1.0, 1.0, 0.0])],
+            },
+            {"method": "opsd_entry", "seed": 0, "lr": 1e-4, "points": [point(0, base), point(2, base)]},
+            {
+                "method": "sft",
+                "seed": 0,
+                "lr": 2e-5,
+                "points": [point(0, base), point(2, [1.0, 1.0, 0.0, 0.0])],
+            },
+        ],
+        ceiling={"accuracy": 0.75, "problems": 4},
+    )
+    table = compare.format_table(result)
+    opsd = next(x for x in table.splitlines() if x.startswith("| OPSD |"))
+    # d = [0, 1, 1, 0]: mean 0.5, sample variance 1/3, half-width 1.96 sqrt(1/12) = 0.566
+    assert "| +50.0 [-6.6, +106.6] | 100.0% |" in opsd  # the whole gap: 25% -> 75% with a 75% ceiling
+    assert "| OPSD (loss.clip_mode=entry) |" in table
+    # d = [0, 0, 1, 0]: mean 0.25, sample variance 1/4, half-width 1.96 sqrt(1/16) = 0.49
+    assert "| OPSD | SFT on the solutions | +25.0 [-24.0, +74.0] |" in table
+    with pytest.raises(UserError, match="NAME=METHOD:KEY=VALUE"):
+        compare.Variant.parse("opsd_entry=opsd")
+    with pytest.raises(UserError, match="unknown method"):
+        compare.Variant.parse("x=nope:loss.clip=1")
+    assert compare.Variant.parse("e=opsd:loss.clip_mode=entry,loss.clip=0.05").overrides == (
+        "loss.clip_mode=entry",
+        "loss.clip=0.05",
+    )
 
 
 def test_a_comparison_resumes_without_rerunning_finished_methods(assets, tmp_path, monkeypatch):

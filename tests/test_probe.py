@@ -10,6 +10,7 @@ from helpers import build_assets
 
 from opsd import probe
 from opsd.cli import main
+from opsd.compare import paired_interval
 from opsd.errors import UserError
 
 
@@ -83,7 +84,7 @@ def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, ot
         "sampled": {"accuracy": student, "truncated": sampled_trunc},
         "ceiling": {"accuracy": ceiling, "truncated": ceiling_trunc},
         "ceiling_other": {"accuracy": other, "truncated": 0.3},
-        "headroom": probe.paired_interval(c, s),
+        "headroom": paired_interval(c, s),
         "tokens": {"steps_away": 0.0, "end_teacher": 0.5, "end_student": 0.6},
     }
 
@@ -110,10 +111,10 @@ def test_the_verdict_names_its_reason(figures, verdict, reason):
 
 def test_the_headroom_interval_is_paired():
     # d = [1, 0, 0, -1]: mean 0, sample variance 2/3, half-width 1.96 sqrt(2/3 / 4) (float64, exact to ~u)
-    mean, lo, hi = probe.paired_interval([True, True, False, False], [False, True, False, True])
+    mean, lo, hi = paired_interval([True, True, False, False], [False, True, False, True])
     assert mean == 0 and hi == pytest.approx(1.96 * math.sqrt(2 / 3 / 4), rel=1e-12) and lo == -hi
     with pytest.raises(ValueError):
-        probe.paired_interval([], [])
+        paired_interval([], [])
 
 
 @pytest.mark.parametrize(
