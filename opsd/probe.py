@@ -199,12 +199,8 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
     end_by: dict[bool, list[float]] = {True: [], False: []}
     for c, ok, zs, zt in _scored(trainer, builder, examples, completions, correct):
         r = len(c.token_ids)
-        z = zs.clone().requires_grad_()
-        raw = per_token_loss_dense(z, zt, spec=raw_spec)
-        (g_raw,) = torch.autograd.grad(raw.sum(), z)
-        clipped = per_token_loss_dense(z, zt, spec=spec)
-        (g_clip,) = torch.autograd.grad(clipped.sum(), z)
-        raw = raw.detach()
+        with torch.no_grad():
+            raw = per_token_loss_dense(zs, zt, spec=raw_spec)
         sums["tokens"] += r
         sums["divergence"] += raw.sum().item()
         sums["differs"] += (zs.argmax(-1) != zt.argmax(-1)).sum().item()
@@ -213,13 +209,9 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
         top_s = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, a.topk(OVERLAP_K, -1).indices, True)
         top_t = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, b.topk(OVERLAP_K, -1).indices, True)
         sums["overlap"] += (p * (top_s & top_t)).sum().item()
-        # What the clip takes away: of the divergence (entry, token), or of its gradient's weight (scale).
-        kept = (
-            g_clip.norm(dim=-1) / g_raw.norm(dim=-1).clamp_min(1e-30) if spec.clip_mode == "scale" else None
-        )
-        removed = raw * (1 - kept) if kept is not None else (raw - clipped.detach()).clamp_min(0)
-        sums["removed"] += removed.sum().item() if spec.clip_mode != "none" else 0.0
-        sums["away"] += int(((g_clip * g_raw).sum(-1) < 0).sum().item())
+        removed, away = _clip_effect(zs, zt, raw, spec, raw_spec)
+        sums["removed"] += removed
+        sums["away"] += away
         if c.finish_reason == "stop" and c.token_ids[-1] in ends:
             end = c.token_ids[-1]
             pt = b[-1].softmax(-1)[end].item()
@@ -240,6 +232,31 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
         end_teacher_correct=_mean(end_by[True]),
         end_teacher_wrong=_mean(end_by[False]),
     )
+
+
+def _clip_effect(zs, zt, raw, spec, raw_spec) -> tuple[float, int]:
+    """What the configured clip takes away from one response's tokens (of the summed divergence for
+    ``entry`` and ``token``; of each token's gradient weight, ``D (1 - min(1, clip / D))``, for ``scale``)
+    and how many of its tokens the clipped gradient steps away from their teacher (the first-order
+    change of their own divergence, ``-<g_clip, g_raw>``, above 0; by the descent property only
+    ``entry`` can, so the gradients are taken for it alone)."""
+    import torch
+
+    from opsd.loss import per_token_loss_dense
+    from opsd.loss.reference import token_scale
+
+    if spec.clip_mode == "none":
+        return 0.0, 0
+    if spec.clip_mode == "scale":
+        return (raw * (1 - token_scale(raw, spec.clip))).sum().item(), 0
+    if spec.clip_mode == "token":
+        return (raw - raw.clamp(max=spec.clip)).sum().item(), 0
+    z = zs.clone().requires_grad_()
+    (g_raw,) = torch.autograd.grad(per_token_loss_dense(z, zt, spec=raw_spec).sum(), z)
+    clipped = per_token_loss_dense(z, zt, spec=spec)
+    (g_clip,) = torch.autograd.grad(clipped.sum(), z)
+    removed = (raw - clipped.detach()).clamp_min(0).sum().item()
+    return removed, int(((g_clip * g_raw).sum(-1) < 0).sum().item())
 
 
 def _scored(trainer, builder, examples, completions, correct):

@@ -146,3 +146,20 @@ def test_rows_without_solutions_or_answers_are_one_line(assets, tmp_path, capsys
     assert len(err) == 1 and "answer" in err[0]
     assert main([*argv[:-1], "0", *_overrides(assets)]) == 2
     assert "--limit 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode, away", [("entry", 1), ("token", 0), ("scale", 0), ("none", 0)])
+def test_the_clip_effect_finds_the_token_entry_turns_away(mode, away):
+    """The counter-example of docs/configuration.md: teacher [0.6, 0.3, 0.1], student [0.2, 0.4, 0.4]."""
+    import torch
+
+    from opsd.loss import DistillSpec, per_token_loss_dense
+
+    zs = torch.tensor([[0.2, 0.4, 0.4]], dtype=torch.float64).log()
+    zt = torch.tensor([[0.6, 0.3, 0.1]], dtype=torch.float64).log()
+    spec = DistillSpec(clip_mode=mode, clip=0.05 if mode != "none" else 0.0)
+    raw_spec = DistillSpec()
+    raw = per_token_loss_dense(zs, zt, spec=raw_spec)
+    removed, stepped_away = probe._clip_effect(zs, zt, raw, spec, raw_spec)
+    assert stepped_away == away
+    assert (removed > 0) == (mode != "none")
