@@ -552,3 +552,28 @@ def test_compare_runs_on_the_shipped_base(tmp_path, monkeypatch):
     assert (sd["student_before"], sd["teacher_with_solution"]) == SHIPPED_SEED0
     assert compare.gain(r, "control_a") == [0.0]
     assert [p["step"] for p in compare.arm_runs(r, "opsd")[0]["points"]] == [0, 2]
+
+
+def test_compare_with_grpo_tuning_runs_and_records_its_choice(tmp_path):
+    """`opsd demo --compare --tune-grpo N`: the tuning runs first on its own seeds, writes its choice,
+    and the comparison's GRPO reads it back (small settings: two 1-step tuning settings' worth)."""
+    from dataclasses import replace
+
+    from opsd import compare as general
+
+    s = replace(
+        base.DemoSettings(), sft_steps=5, n_sft=64, n_train=64, n_heldout=8, opsd_steps=2, eval_every=2
+    )
+    out = tmp_path / "cmp"
+    result = compare.run_compare(
+        s,
+        [0],
+        out,
+        arms=("grpo",),
+        cache=tmp_path / "cache",
+        progress=False,
+        tune_steps=1,
+        tune_seeds=(1000,),
+    )
+    assert (out / general.tune_file("grpo")).is_file()
+    assert "opsd compare --tune grpo" in result["grpo_source"]

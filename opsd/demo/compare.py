@@ -98,7 +98,7 @@ def run_compare(
     t0 = time.time()
     try:
         where = Path(cache or opsd_home() / "demo")
-        tune = tune_steps and not (out / general.TUNE_FILE).is_file()
+        tune = tune_steps and not (out / general.tune_file("grpo")).is_file()
         runs = [*seeds, *(tune_seeds if tune else ())]
         prepared = {seed: prepare(replace(s, seed=seed), where, progress) for seed in runs}
         if tune:
