@@ -207,6 +207,12 @@ class RolloutConfig(_Section):
     )
     top_k: int = Field(0, ge=0, description="Sample from the k most likely tokens; 0: all.")
     max_new_tokens: int = Field(1024, ge=1, description="The tokens of a response at most.")
+    horizon: dict[str, int] | None = Field(
+        None,
+        description="{start: N, end: M, over_steps: K}: the rollouts' token limit grows from N at step 0 to "
+        "M at step K and stays there (M <= max_new_tokens); null: max_new_tokens at every step. Distilling "
+        "short prefixes first is cheaper per step (arXiv 2605.31490); evaluation keeps eval.max_new_tokens.",
+    )
     stop_strings: list[str] = Field([], description="A response ends at the first of these strings.")
     batch_size: int = Field(
         32, ge=1, description="Sequences generated at once (the HF engine's batch; vLLM's max_num_seqs)."
@@ -717,6 +723,22 @@ class Config(_Section):
                 "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
             )
         r = self.rollout
+        if r.horizon is not None:
+            h = r.horizon
+            if (
+                set(h) != {"start", "end", "over_steps"}
+                or not 1 <= h["start"] <= h["end"]
+                or h["over_steps"] < 1
+            ):
+                raise ValueError(
+                    f"rollout.horizon={h}: expected {{start: N, end: M, over_steps: K}} with 1 <= N <= M and "
+                    "K >= 1"
+                )
+            if h["end"] > r.max_new_tokens:
+                raise ValueError(
+                    f"rollout.horizon.end={h['end']} exceeds rollout.max_new_tokens={r.max_new_tokens} (the "
+                    "engine's context is sized by max_new_tokens)"
+                )
         if r.overlap and r.engine != "vllm_server":
             raise ValueError("rollout.overlap=1 needs rollout.engine=vllm_server (separate servers)")
         if r.overlap and self.objective == "grpo" and self.grpo.tis_cap and not r.checks_logprobs():

@@ -119,9 +119,12 @@ class RolloutQueue:
         return completions
 
     def sampling(self, step: int) -> SamplingParams:
-        """``step``'s sampling settings, seeded by step and rank."""
+        """``step``'s sampling settings, seeded by step and rank, at its horizon (:func:`horizon_tokens`)."""
         seed = (distributed.rank_seed(self.seed, self.rank) * 1_000_003 + step * 7919) % 2**63
-        return SamplingParams.from_rollout(self.cfg, seed)
+        params = SamplingParams.from_rollout(self.cfg, seed)
+        if self.cfg.horizon is not None:
+            params.max_new_tokens = horizon_tokens(self.cfg.horizon, step)
+        return params
 
     def state_dict(self) -> dict | None:
         """The rollouts requested ahead, collected, in types a weights-only load accepts: regenerating
@@ -147,3 +150,10 @@ class RolloutQueue:
             self.pending = Pending(list(state["example_indices"]), prompts, None, completions)
         if distributed.any_rank(self.pending is None):
             self.pending = None
+
+
+def horizon_tokens(horizon: dict[str, int], step: int) -> int:
+    """``rollout.horizon``'s token limit at ``step``: ``start`` at step 0, growing linearly to ``end`` at
+    step ``over_steps``, ``end`` after."""
+    start, end, over = horizon["start"], horizon["end"], horizon["over_steps"]
+    return round(start + (end - start) * min(1.0, step / over))
