@@ -349,6 +349,13 @@ class LossConfig(_Section):
         "divergence), the loss reported unclipped (bounds the step, keeps its direction); none: no clipping.",
     )
     clip: float = Field(0.05, ge=0, description="The clamp of clip_mode.")
+    sft_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Add this times the token-mean SFT loss on each step's reference solutions (the "
+        "solution the teacher reads, with its end token), logged as sft_loss; 0: none. An anchor for "
+        "format and stopping.",
+    )
     end_token: Literal["distill", "skip"] = Field(
         "distill",
         description="objective=opsd: distill: the end token that closes a stopped response is distilled like "
@@ -721,6 +728,11 @@ class Config(_Section):
         if distills and t.privileged and self.data.solution_key is None:
             raise ValueError(
                 "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
+            )
+        if self.loss.sft_coef > 0 and not (t.privileged and self.data.solution_key):
+            raise ValueError(
+                "loss.sft_coef > 0 trains on the reference solutions: it needs data.solution_key and "
+                "teacher.privileged=true"
             )
         r = self.rollout
         if r.horizon is not None:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from opsd import checkpoint, cpu, distributed, metrics, models, precision, setup
+from opsd.anchor import SFTAnchor
 from opsd.config import Config, resolve_engine
 from opsd.cpu.heap import reuse_freed_blocks, trim_heap
 from opsd.data import PromptBuilder, make_microbatches, make_sample
@@ -139,7 +140,7 @@ class Trainer:
             has_checkpoint = checkpoint.latest_checkpoint(self.run_dir) is not None
             prepare_run_dir(self.run_dir, resume=resume, overwrite=overwrite, has_checkpoint=has_checkpoint)
             checkpoint.clean_partial(self.run_dir)
-        privileged = cfg.teacher.privileged and self.objective.uses_teacher
+        privileged = cfg.teacher.privileged and (self.objective.uses_teacher or cfg.loss.sft_coef > 0)
         needs = self.objective.needs_answers
         data = setup.load_data(
             cfg, privileged=privileged, needs_answers=needs, rank=self.rank, world=self.world
@@ -150,6 +151,8 @@ class Trainer:
         self.prompts = PromptBuilder.from_config(self.tokenizer, cfg.data, privileged=cfg.teacher.privileged)
         self.eval_prompts = PromptBuilder.from_config(self.tokenizer, cfg.data, privileged=True)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        coef, limit = cfg.loss.sft_coef, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+        self.anchor = SFTAnchor(coef, self.tokenizer, self.examples, cfg.data, limit) if coef > 0 else None
 
     # ------------------------------------------------------------------------------------------
     # The step
@@ -174,6 +177,11 @@ class Trainer:
         # 4-7. Per micro-batch: the teacher scores the response (Teacher.score, no grad), the student
         # reads it, the fused loss, backward (opsd.microbatch.forward_backward).
         loss_sum, stats = self.forward_backward(batches, scores, timer=timer)
+        # 7b. The SFT anchor (loss.sft_coef): the step's reference solutions, end token included.
+        if self.anchor is not None:
+            with timer("student"):
+                solutions = partial(self.microbatches, skip_end=False)
+                loss_sum += self.anchor.backward(self.model, ex_idx, solutions, self.autocast, scores.sums)
 
         # 8. Clip, AdamW, schedule, teacher update, weight sync (all skipped if anything is non-finite).
         with timer("optim"):
@@ -183,14 +191,16 @@ class Trainer:
             completions, ex_idx, batches, scores, loss_sum, stats, grad_norm, finite, timer, lag
         )
 
-    def microbatches(self, samples: list) -> list[MicroBatch]:
+    def microbatches(self, samples: list, skip_end: bool | None = None) -> list[MicroBatch]:
         """Pack this rank's samples into micro-batches within the token budget, weighted by the global
-        token and sequence counts, and padded to as many on every rank (FSDP's collectives match)."""
-        lens = [loss_tokens(s, self.skip_end) for s in samples]
+        token and sequence counts, and padded to as many on every rank (FSDP's collectives match).
+        ``skip_end``: whether a stopped response's end token weighs 0 (default loss.end_token's)."""
+        skip_end = self.skip_end if skip_end is None else skip_end
+        lens = [loss_tokens(s, skip_end) for s in samples]
         read = sum(n > 0 for n in lens)
         tokens, seqs = all_reduce_sum(torch.tensor([sum(lens), read], dtype=torch.float64)).tolist()
         counts = dict(reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs)
-        counts["skip_end"] = self.skip_end
+        counts["skip_end"] = skip_end
         plan = dict(device=self.device, bucket=self.plan.bucket_widths, per_row_from=self.plan.pack_from)
         budget = dict(max_tokens=self.mb_tokens, min_real_frac=self.cfg.optim.min_real_token_frac)
         batches = make_microbatches(samples, pad_id=self.pad_id, **budget, **counts, **plan)
@@ -267,7 +277,8 @@ class Trainer:
             out, step=self.step_num, lr=lr, prompt_truncated=self.prompts.truncated, epoch=epoch, **where
         )
         lag = {"policy_lag": out.policy_lag} if self.cfg.rollout.overlap else {}
-        return rec | self.objective.metrics(total) | lag
+        anchor = {"sft_loss": total["sft_loss"]} if "sft_loss" in total else {}
+        return rec | self.objective.metrics(total) | lag | anchor
 
     # ------------------------------------------------------------------------------------------
     # The loop
