@@ -70,7 +70,14 @@ def rounding_error(dtype: str) -> tuple[float, float]:
 
 
 def probe_tolerance(
-    server_dtype: str, trainer_dtype: str, *, logit_std: float, layers: int, width: int
+    server_dtype: str,
+    trainer_dtype: str,
+    *,
+    logit_std: float,
+    layers: int,
+    width: int,
+    logprob_max: float = 0.0,
+    vocab: int = 2,
 ) -> float:
     """The largest |log-prob difference| the sync probe accepts between a server that took the weights
     and the trainer, from the two sides' roundings; not a figure measured on one machine.
@@ -82,19 +89,23 @@ def probe_tolerance(
     per product. The residual stream takes ``2 * layers`` updates (attention and MLP per layer), whose
     errors add the same way: ``sqrt(2 * layers) * eps`` relative to the logits' spread ``logit_std``
     (their standard deviation over the vocabulary at the probed positions, from the trainer's own
-    forward). The sides round independently, so their logits differ by about
-    ``sigma = (eps_server + eps_trainer) * sqrt(2 * layers) * logit_std``, and a log-prob by at most
-    about twice that (``dz_y - E_p[dz]``). The tolerance is ``PROBE_SIGMAS`` (6) sigma. On SmolLM2-135M
-    (30 layers, width 576, spread ~3; a vLLM-CPU server, 96 probed tokens) sigma is 6.5e-5 for float32
-    on both sides, where the largest difference was 4e-5, and 0.09 for a bfloat16 server beside a
-    float32 trainer, where it was 0.22. A server that missed a reload computes other weights: its
-    difference is the change of the weights' effect, not a rounding, and a server that loaded nothing
-    or the wrong tensors is off by nats."""
-    eps = 0.0
+    forward). The log-softmax, in float32 or wider on both sides, adds a few of its own roundings:
+    ``u_acc * (2 * logprob_max + log2(vocab))`` (the subtractions at the size of the largest probed
+    |log p|, the sum of ``vocab`` exponentials). The sides round independently, so a log-prob differs
+    by about ``sigma = (eps_server + eps_trainer) * sqrt(2 * layers) * logit_std`` plus the two
+    log-softmax terms; the tolerance is ``PROBE_SIGMAS`` (6) times that. On SmolLM2-135M (30 layers,
+    width 576, spread ~3; a vLLM-CPU server, 96 probed tokens) sigma is 6.5e-5 for float32 on both
+    sides, where the largest difference was 4e-5, and 0.09 for a bfloat16 server beside a float32
+    trainer, where it was 0.22; on the 2-layer test model, whose logits barely spread, the log-softmax
+    terms dominate float32's. A server that missed a reload computes other weights: its difference is
+    the change of the weights' effect, not a rounding, and a server that loaded nothing or the wrong
+    tensors is off by nats."""
+    products = softmax = 0.0
     for dtype in (server_dtype, trainer_dtype):
         u, u_acc = rounding_error(dtype)
-        eps += u + u_acc * math.sqrt(width)
-    return PROBE_SIGMAS * eps * math.sqrt(2 * max(1, layers)) * logit_std
+        products += u + u_acc * math.sqrt(width)
+        softmax += u_acc * (2 * logprob_max + math.log2(max(2, vocab)))
+    return PROBE_SIGMAS * (products * math.sqrt(2 * max(1, layers)) * logit_std + softmax)
 
 
 class VLLMServerEngine:
@@ -153,6 +164,7 @@ class VLLMServerEngine:
         self.fixed_tolerance = sync_tolerance
         self.tolerances: list[float | None] = [sync_tolerance] * len(self.servers)  # the last probe's
         self.gaps: list[float | None] = [None] * len(self.servers)  # and its largest difference per server
+        self.shapes: list[dict] = [{}] * len(self.servers)  # and probe_tolerance's model quantities
         self.vocab_size = getattr(config, "vocab_size", None)
         if self.rank == 0:
             self.sync_dir.mkdir(parents=True, exist_ok=True)
@@ -498,12 +510,15 @@ class VLLMServerEngine:
                 head = full_head_weight(model)
                 mine = token_logprobs(hidden, head, torch.tensor(toks, device=device))
                 spread = float((hidden.to(head.dtype) @ head.T).float().std(-1).max())
+            self.shapes[s] = {
+                "logit_std": spread,
+                "layers": self.layers,
+                "width": hidden.shape[-1],
+                "logprob_max": float(mine.abs().max()),
+                "vocab": head.shape[0],
+            }
             tolerance = self.fixed_tolerance or probe_tolerance(
-                self.server_dtype(s),
-                self.trainer_dtype,
-                logit_std=spread,
-                layers=self.layers,
-                width=hidden.shape[-1],
+                self.server_dtype(s), self.trainer_dtype, **self.shapes[s]
             )
             self.tolerances[s] = tolerance
             self.gaps[s] = float((mine.cpu().double() - torch.tensor(lps).double()).abs().max())
