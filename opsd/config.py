@@ -284,7 +284,8 @@ class RolloutConfig(_Section):
         None,
         gt=0,
         description="vllm_server: the largest |log-prob| difference a weight sync's probe accepts between a "
-        "server and the trainer; null: 1e-3 for a float32 trainer, 0.1 for bf16 (logits rounded at 2^-8).",
+        "server and the trainer; null: from the two sides' roundings (vllm_server.probe_tolerance: about "
+        "5e-4 for float32 on both sides of SmolLM2-135M, about 0.6 beside a bf16 server).",
     )
     overlap: Literal[0, 1] = Field(
         0,
@@ -359,9 +360,9 @@ class LossConfig(_Section):
     end_token: Literal["distill", "skip"] = Field(
         "distill",
         description="objective=opsd: distill: the end token that closes a stopped response is distilled like "
-        "any other; skip: it weighs 0, so the student keeps its own choice of where to stop (a teacher "
-        "reading the solution gives ending less mass than the student where the student's answer is "
-        "wrong, and pulls it to go on).",
+        "any other; skip: it weighs 0, so that a teacher reading the solution, which gives ending less "
+        "mass than the student where the student's answer is wrong, does not pull the student to go on "
+        "there (on arith this alone did not keep the student stopping: docs/results.md).",
     )
     topk: int = Field(
         0, ge=0, description="mode=topk: the teacher's most likely tokens the loss is taken over."

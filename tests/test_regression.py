@@ -146,6 +146,7 @@ def _run(assets: dict, run_dir, case: str, dtype: str, steps: int) -> list[tuple
         "loss.clip_mode=none",
         f"model.dtype={dtype}",
         "optim.max_tokens_per_microbatch=8192",
+        "rollout.engine=hf",  # the pinned figures' engine (auto would pick vLLM where it is installed)
     ] + [f"{k}={v}" for k, v in over.items()]
     Trainer(load_config(None, args)).train()
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -280,7 +280,7 @@ def test_bad_prompts(tiny_model, tiny_tokenizer):
 
 
 def test_make_engine(tiny_model, tiny_tokenizer, prompts):
-    engine = make_engine(RolloutConfig(batch_size=4), tiny_model, tiny_tokenizer, seed=0)
+    engine = make_engine(RolloutConfig(engine="hf", batch_size=4), tiny_model, tiny_tokenizer, seed=0)
     assert isinstance(engine, HFEngine) and isinstance(engine, RolloutEngine)
     assert engine.batch_size == 4 and engine.model is tiny_model
     before = _greedy(engine, prompts)

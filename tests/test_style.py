@@ -1,4 +1,4 @@
-"""The house style, enforced where CI looks (``.ci/run`` runs only the test command): ruff's lint
+"""The house style, enforced where CI looks (``.ci/run`` runs the test command, which runs this): ruff's lint
 rules with E501 at the declared line length, and ``ruff format``. ruff is pinned in the dev extra
 because its formatting changes between releases."""
 
