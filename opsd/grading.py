@@ -215,15 +215,20 @@ def grade_last_number(response: str, gold: str) -> Grade:
     for a model that does not box it. Never raises."""
     if extract_boxed(response) is not None:
         return grade(response, gold)
-    numbers = _LAST_NUMBER.findall(response[-4 * MAX_ANSWER_CHARS :])
-    if not numbers:
+    return _same_number(_LAST_NUMBER.findall(response[-4 * MAX_ANSWER_CHARS :]), gold)
+
+
+def _same_number(found: list[str], gold: str) -> Grade:
+    """The last of ``found`` (thousands separators dropped) against the gold answer, numerically; none
+    found is incorrect, a gold answer that is not a number is recorded."""
+    if not found:
         return Grade(correct=False, extracted=None, error=None)
-    last = numbers[-1].replace(",", "")
+    said = found[-1].replace(",", "")
     try:
-        correct = float(last) == float(normalize_gold(gold).replace(",", "").strip().lstrip("$"))
+        correct = float(said) == float(normalize_gold(gold).replace(",", "").strip().lstrip("$"))
     except ValueError:
-        return Grade(False, last, f"gold answer {normalize_gold(gold)[:100]!r} is not a number")
-    return Grade(correct=correct, extracted=last, error=None)
+        return Grade(False, said, f"gold answer {normalize_gold(gold)[:100]!r} is not a number")
+    return Grade(correct=correct, extracted=said, error=None)
 
 
 _ANSWER_IS = re.compile(r"[Tt]he answer is[ \t]*:?[ \t]*\$?[ \t]*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?)")
@@ -233,15 +238,7 @@ def grade_answer_is(response: str, gold: str) -> Grade:
     """The number after the response's last "The answer is" compared numerically with the gold answer;
     no such phrase is wrong: the strict reading of the instruction "Finish with: The answer is N."
     (arithmetic word problems). Never raises."""
-    found = _ANSWER_IS.findall(response)
-    if not found:
-        return Grade(correct=False, extracted=None, error=None)
-    said = found[-1].replace(",", "")
-    try:
-        correct = float(said) == float(normalize_gold(gold).replace(",", "").strip().lstrip("$"))
-    except ValueError:
-        return Grade(False, said, f"gold answer {normalize_gold(gold)[:100]!r} is not a number")
-    return Grade(correct=correct, extracted=said, error=None)
+    return _same_number(_ANSWER_IS.findall(response), gold)
 
 
 # The graders by name: `opsd eval`'s `grader` key (and the GRPO reward's `grpo.grader`) use these names.
