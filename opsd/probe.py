@@ -323,7 +323,10 @@ def run_probe(
     ]
     cfg = load_config(config, probe_overrides)
     _check_slice(cfg)  # before anything loads
+    phases: dict[str, float] = {}
+    clock = _Clock(phases)
     trainer = Trainer(cfg, overwrite=True)
+    clock.mark("setup")
     try:
         examples = trainer.eval_examples
         e, r = cfg.eval, cfg.rollout
@@ -331,7 +334,9 @@ def run_probe(
         student = _evaluate(
             trainer, examples, None, temperature=0.0, max_new_tokens=e.max_new_tokens, name="student"
         )
+        clock.mark("student")
         ceilings = {s: _ceiling(trainer, examples, s) for s in ("own", "other", "wrong_answer")}
+        clock.mark("ceilings")
         prompts = [trainer.eval_prompts(i, ex)[0] for i, ex in enumerate(examples)]
         params = SamplingParams.from_rollout(r, seed=cfg.seed)
         completions = trainer.engine.generate(prompts, 1, params)
@@ -345,9 +350,12 @@ def run_probe(
             correct,
         )
         trainer.engine.sleep()
+        clock.mark("sampled")
         _say(progress, "probe: scoring the sampled responses with the teacher")
         tokens = _token_stats(trainer, examples, completions, correct, trainer.spec)
+        clock.mark("token_stats")
         reference_end = _reference_end(trainer, examples)
+        clock.mark("reference_end")
     finally:
         trainer.close()
     own = ceilings["own"]
@@ -374,6 +382,7 @@ def run_probe(
     }
     result["verdict"], result["reasons"] = verdict(result)
     result["seconds"] = round(time.time() - t0, 1)
+    result["phase_seconds"] = {k: round(v, 1) for k, v in phases.items()}
     for key in ("student", "sampled", "ceiling", "ceiling_other", "ceiling_wrong_answer"):
         if result[key] is not None:
             result[key].pop("correct")
@@ -381,6 +390,19 @@ def run_probe(
     (out / "probe.json").write_text(json.dumps(result, indent=2))
     print(format_probe(result))
     return result
+
+
+class _Clock:
+    """Seconds per phase of the probe, written to ``phase_seconds`` (where its wall time goes)."""
+
+    def __init__(self, phases: dict[str, float]) -> None:
+        self.phases = phases
+        self.last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = now - self.last
+        self.last = now
 
 
 def _check_slice(cfg) -> None:
@@ -439,7 +461,9 @@ def format_probe(p: dict) -> str:
         f"student {_p(ref['student'])}",
         "",
         f"verdict: {p['verdict']}: " + "; ".join(p["reasons"]),
-        f"({p['seconds']:.0f} s)",
+        f"({p['seconds']:.0f} s: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in p.get("phase_seconds", {}).items())
+        + ")",
     ]
     return "\n".join(lines)
 

@@ -69,6 +69,9 @@ def test_the_probe_measures_everything_and_saves_its_verdict(assets, tmp_path, c
     ref = saved["reference_end"]
     assert 0 < ref["teacher"] < 1 and 0 < ref["student"] < 1
     assert "clip_mode=entry" in saved["settings"]["loss"]
+    phases = saved["phase_seconds"]
+    assert list(phases) == ["setup", "student", "ceilings", "sampled", "token_stats", "reference_end"]
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= saved["seconds"] + 0.1
     printed = capsys.readouterr().out
     assert "teacher ceiling" in printed and f"verdict: {saved['verdict']}" in printed
 
