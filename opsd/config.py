@@ -171,7 +171,8 @@ class DataConfig(_Section):
 
 def resolve_engine(setting: str) -> tuple[str, str]:
     """``rollout.engine`` as the engine that runs, and why: ``auto`` is vLLM (colocated) where it is
-    installed, the HF engine otherwise. The one place ``auto`` is read; vLLM is not imported here."""
+    installed, the HF engine otherwise. The one place ``auto`` is read, once per run (the trainer passes
+    the kind on); vLLM is not imported here."""
     if setting != "auto":
         return setting, f"rollout.engine={setting}"
     import importlib.util
@@ -284,8 +285,8 @@ class RolloutConfig(_Section):
         None,
         gt=0,
         description="vllm_server: the largest |log-prob| difference a weight sync's probe accepts between a "
-        "server and the trainer; null: from the two sides' roundings (vllm_server.probe_tolerance: about "
-        "5e-4 for float32 on both sides of SmolLM2-135M, about 0.6 beside a bf16 server).",
+        "server and the trainer; null: from the two sides' roundings (opsd.rollout.server.probe_tolerance: "
+        "about 5e-4 for float32 on both sides of SmolLM2-135M, about 0.6 beside a bf16 server).",
     )
     overlap: Literal[0, 1] = Field(
         0,
@@ -297,8 +298,10 @@ class RolloutConfig(_Section):
         """Sampling from the tempered softmax itself (no top-k/top-p): the log-probs are comparable."""
         return self.temperature > 0 and self.top_k == 0 and self.top_p == 1.0
 
-    def checks_logprobs(self) -> bool:
-        vllm = resolve_engine(self.engine)[0] in ("vllm", "vllm_server")
+    def checks_logprobs(self, kind: str) -> bool:
+        """Whether the trainer compares the engine's log-probs with its own, ``kind`` the engine that
+        runs (:func:`resolve_engine`)."""
+        vllm = kind in ("vllm", "vllm_server")
         on = self.logprob_check is True or (self.logprob_check == "auto" and vllm)
         return on and self.plain_sampling()
 
@@ -755,7 +758,7 @@ class Config(_Section):
                 )
         if r.overlap and r.engine != "vllm_server":
             raise ValueError("rollout.overlap=1 needs rollout.engine=vllm_server (separate servers)")
-        if r.overlap and self.objective == "grpo" and self.grpo.tis_cap and not r.checks_logprobs():
+        if r.overlap and self.objective == "grpo" and self.grpo.tis_cap and not r.checks_logprobs(r.engine):
             raise ValueError(
                 "rollout.overlap=1 with objective=grpo corrects the lag from the engine's log-probs, "
                 "which need rollout.temperature > 0, top_k=0 and top_p=1 (or set grpo.tis_cap=0 to "
@@ -774,7 +777,7 @@ class Config(_Section):
                 f"temperature={r.temperature}, top_k={r.top_k}, top_p={r.top_p} the log-probs differ "
                 "by design)"
             )
-        if resolve_engine(r.engine)[0] == "hf" and r.tensor_parallel_size > 1:
+        if r.engine == "hf" and r.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
         if self.eval.divergence and not self.data.solution_key:
             raise ValueError("eval.divergence=true needs data.solution_key (held-out solutions)")

@@ -22,10 +22,10 @@ from opsd.config import Config
 from opsd.data import DataCursor, Example, load_examples
 from opsd.data.controls import apply_solution_source
 from opsd.data.sources import take_rows
-from opsd.engines import make_engine
 from opsd.errors import UserError
 from opsd.metrics import MetricsWriter
 from opsd.optim import make_optimizer
+from opsd.rollout.make import make_engine
 from opsd.rundir import record_config
 from opsd.teacher import Teacher
 
@@ -225,13 +225,13 @@ def make_optimizer_for(cfg: Config, params: list[nn.Parameter]):
 
 
 def make_rollout_engine(
-    cfg: Config, model: nn.Module, tokenizer, prec, dist: distributed.Dist, plan: cpu.CpuPlan
+    cfg: Config, kind: str, model: nn.Module, tokenizer, prec, dist: distributed.Dist, plan: cpu.CpuPlan
 ):
-    """The rollout engine on the live model; the HF engine generates under autocast where the step's
-    forwards do (one process: mixed precision, and LoRA's float32 adapters over a half-precision base,
-    which training computes in the compute dtype; without autocast peft ran the rollout's adapter
-    products in float32, another function than the one trained) and takes the CPU plan's decoding
-    mechanisms."""
+    """The rollout engine of ``kind`` (``rollout.engine`` resolved) on the live model; the HF engine
+    generates under autocast where the step's forwards do (one process: mixed precision, and LoRA's
+    float32 adapters over a half-precision base, which training computes in the compute dtype; without
+    autocast peft ran the rollout's adapter products in float32, another function than the one
+    trained) and takes the CPU plan's decoding mechanisms."""
     half_adapters = cfg.model.lora.enabled and prec.compute in precision.HALF
     amp = prec.compute if (prec.mixed or half_adapters) and dist.mesh is None else None
     return make_engine(
@@ -239,6 +239,7 @@ def make_rollout_engine(
         model,
         tokenizer,
         seed=cfg.seed,
+        kind=kind,
         max_prompt_len=cfg.data.max_prompt_len,
         # the held-out evaluation generates on the same engine, often longer than a rollout
         max_new_tokens=max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.path else 0),

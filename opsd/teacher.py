@@ -131,7 +131,7 @@ class Teacher:
         self, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, rows: list[int] | None = None
     ) -> tuple[Tensor, Tensor]:
         """Teacher hidden states at the response positions ``[R, H]`` and its lm_head weight
-        (``rows``: a forward per row, :func:`opsd.models.final_hidden`)."""
+        (``rows``: the rows packed into one forward, :func:`opsd.models.final_hidden`)."""
         with self._as_teacher(input_ids.device) as model:
             hidden = forward_hidden(model, input_ids, attention_mask, positions, rows)
             # Taken inside the context: the EMA swap or CPU offload is undone on exit, but this tensor

@@ -31,7 +31,7 @@ from opsd.loss import LossStats
 from opsd.microbatch import forward_backward
 from opsd.objectives import Objective, Scores, make_distillation, make_objective
 from opsd.parallel import clip_grad_norm, full_head_weight
-from opsd.rollout import EngineError, VLLMEngine
+from opsd.rollout import EngineError
 from opsd.rollout.queue import RolloutQueue
 from opsd.rundir import GracefulStop, prepare_run_dir
 
@@ -84,17 +84,21 @@ class Trainer:
         self.precision = precision.resolve(
             m.dtype, self.device, full_finetune=not m.lora.enabled, pure_bf16=m.pure_bf16
         )
+        # rollout.engine resolved once (auto: vLLM where installed); every part below takes the kind.
+        kind, chosen = resolve_engine(cfg.rollout.engine)
+        self.engine_kind = kind
+        dtype = self.precision.compute
         # The CPU plan (empty on a GPU), then what is trained for: distillation, GRPO, or both.
-        kind, dtype = resolve_engine(cfg.rollout.engine)[0], self.precision.compute
         plan = cpu.resolve_plan(cfg.cpu, self.device, dtype, engine=kind, sharded=sharded, compiled=m.compile)
         chunk = cfg.loss.chunk_size or plan.loss_chunk_rows
         self.objective = make_objective(cfg, chunk, plan.loss_slab_elements)
-        self.heldout = make_distillation(cfg, chunk, plan.loss_slab_elements)  # eval.divergence's loss
+        # eval.divergence measures the distillation loss, whatever objective trains.
+        self.divergence_objective = make_distillation(cfg, chunk, plan.loss_slab_elements)
         grader = resolve_grader(cfg.eval.grader, "eval.grader")
         self.eval_grader = lambda response, gold: as_grade(grader(response, gold))
         self.spec = cfg.loss.to_spec(cfg.rollout.temperature)
         self.skip_end = cfg.loss.end_token == "skip" and cfg.objective == "opsd"
-        self.check_lp = cfg.rollout.checks_logprobs()
+        self.check_lp = cfg.rollout.checks_logprobs(kind)
         products = precision.loss_matmul_dtype(self.precision, self.device)
         self.loss_mm = products if cfg.loss.products == "auto" else None
         # Run directory, data and tokenizer; then the model and its teacher, every transform in order.
@@ -110,16 +114,16 @@ class Trainer:
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = setup.make_optimizer_for(cfg, self.params)
-        parts = (cfg, self.model, self.tokenizer, self.precision, self.dist, self.plan)
+        parts = (cfg, kind, self.model, self.tokenizer, self.precision, self.dist, self.plan)
         self.engine = distributed.run_setup(lambda: setup.make_rollout_engine(*parts), "rollout engine start")
         self.engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it)
-        beside_vllm = isinstance(self.engine, VLLMEngine)
         self.mb_tokens, why = setup.microbatch_tokens(
-            cfg, self.model, self.params, self.precision, self.device, beside_vllm=beside_vllm
+            cfg, self.model, self.params, self.precision, self.device, beside_vllm=kind == "vllm"
         )
         drawn = (self.cursor, self.prompts, self.examples)
         self.queue = RolloutQueue(cfg, self.engine, *drawn, self.dist, trim_heap=self.plan.trim_heap)
         if self.rank == 0:
+            print(f"rollout engine: {kind} ({chosen})", file=sys.stderr)
             print(f"precision: {self.precision.describe()}", file=sys.stderr)
             if self.objective.uses_teacher:
                 print(f"loss: {self.spec.describe()}", file=sys.stderr)
@@ -201,7 +205,7 @@ class Trainer:
         tokens, seqs = all_reduce_sum(torch.tensor([sum(lens), read], dtype=torch.float64)).tolist()
         counts = dict(reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs)
         counts["skip_end"] = skip_end
-        plan = dict(device=self.device, bucket=self.plan.bucket_widths, per_row_from=self.plan.pack_from)
+        plan = dict(device=self.device, bucket=self.plan.bucket_widths, pack_from=self.plan.pack_from)
         budget = dict(max_tokens=self.mb_tokens, min_real_frac=self.cfg.optim.min_real_token_frac)
         batches = make_microbatches(samples, pad_id=self.pad_id, **budget, **counts, **plan)
         return pad_microbatches(batches, self.pad_id, self.device)
@@ -362,7 +366,7 @@ class Trainer:
         """The distillation loss's statistics on the held-out problems (:mod:`opsd.eval.heldout`): one
         response each from a seed stream no training step uses, the same at every evaluation."""
         generate = partial(self.rollout, n=1, step=-1)
-        loss = partial(self.loss, objective=self.heldout)
+        loss = partial(self.loss, objective=self.divergence_objective)
         parts = (
             self.model,
             self.teacher,

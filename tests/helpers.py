@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from opsd import Config, load_config
 from opsd import distributed as D
 from opsd.config import RolloutConfig
-from opsd.engines import make_engine
 from opsd.rollout import Completion, HFEngine
+from opsd.rollout.make import make_engine
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
 # --- the trainer's tiny assets and config (tests/test_regression.py pins numbers made with these) ---

@@ -133,10 +133,10 @@ def test_rollout_engine_auto_is_vllm_where_installed(monkeypatch):
         importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
     )
     assert resolve_engine("auto")[0] == "hf" and "not installed" in resolve_engine("auto")[1]
-    assert not RolloutConfig(engine="auto", temperature=1.0).checks_logprobs()
+    assert not RolloutConfig(engine="auto", temperature=1.0).checks_logprobs(resolve_engine("auto")[0])
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real(name, *a)
     )
     assert resolve_engine("auto") == ("vllm", "rollout.engine=auto: vLLM is installed")
-    assert RolloutConfig(engine="auto", temperature=1.0).checks_logprobs()
+    assert RolloutConfig(engine="auto", temperature=1.0).checks_logprobs(resolve_engine("auto")[0])
     assert resolve_engine("hf")[0] == "hf"

@@ -924,8 +924,8 @@ def test_microbatch_widths_in_buckets() -> None:
 
 
 @pytest.mark.parametrize("bucket", [False, True])
-def test_per_row_microbatches_name_each_rows_width(bucket: bool) -> None:
-    """``per_row_from`` (a CPU, one process) changes no tensor: where a side's rows differ in width and
+def test_packed_microbatches_name_each_rows_width(bucket: bool) -> None:
+    """``pack_from`` (a CPU, one process) changes no tensor: where a side's rows differ in width and
     the shortest reaches it, it records each row's own width (its length, or its bucket width, never
     wider than the group's) and counts only those positions as computed; elsewhere rows stay batched."""
     from opsd.data.batching import bucket_width
@@ -933,9 +933,9 @@ def test_per_row_microbatches_name_each_rows_width(bucket: bool) -> None:
     samples = _random_samples(seed=2, count=9, prompt_lens=(10, 60))
     kw = dict(pad_id=0, reduction="token", global_tokens=100.0, global_seqs=9.0, device="cpu", bucket=bucket)
     batched = make_microbatches(samples, max_tokens=250, **kw)
-    never = make_microbatches(samples, max_tokens=250, per_row_from=10_000, **kw)
+    never = make_microbatches(samples, max_tokens=250, pack_from=10_000, **kw)
     assert all(m.student_rows is None and m.teacher_rows is None for m in never)
-    rows = make_microbatches(samples, max_tokens=250, per_row_from=1, **kw)
+    rows = make_microbatches(samples, max_tokens=250, pack_from=1, **kw)
     assert [m.sample_indices for m in rows] == [m.sample_indices for m in batched]
     per_row = 0
     for k, (a, b) in enumerate(zip(batched, rows)):
@@ -952,7 +952,7 @@ def test_per_row_microbatches_name_each_rows_width(bucket: bool) -> None:
             per_row += 1
             assert widths == own and all(n <= w <= ids.shape[1] for n, w in zip(lengths, widths))
             assert getattr(b, f"{side}_padded_tokens") == sum(widths) < ids.numel()
-            shortest = make_microbatches(samples, max_tokens=250, per_row_from=min(own) + 1, **kw)
+            shortest = make_microbatches(samples, max_tokens=250, pack_from=min(own) + 1, **kw)
             assert getattr(shortest[k], f"{side}_rows") is None
     assert per_row > 0
 

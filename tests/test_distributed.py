@@ -503,8 +503,8 @@ def _tp_group_worker(d: D.Dist, tmp: str) -> None:
     import torch.distributed as dist
 
     from opsd.config import RolloutConfig
-    from opsd.engines import make_engine
     from opsd.rollout import SamplingParams
+    from opsd.rollout.make import make_engine
 
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, hidden_size=32, num_layers=2)

@@ -415,7 +415,7 @@ def test_final_hidden_of_packed_rows_is_the_batched_forward(tiny_tokenizer, buck
     kw = dict(
         max_tokens=10_000, pad_id=0, reduction="token", global_tokens=18.0, global_seqs=4.0, device="cpu"
     )
-    (mb,) = make_microbatches(samples, bucket=bucket, per_row_from=1, **kw)
+    (mb,) = make_microbatches(samples, bucket=bucket, pack_from=1, **kw)
     assert min(mb.teacher_rows) < mb.teacher_ids.shape[1] and len(set(mb.teacher_rows)) > 1
     real = [len(x.teacher_ids) for x in samples] + [len(x.student_ids) for x in samples]
     assert (mb.teacher_rows + mb.student_rows != real) == bucket  # bucket: padding after some row's tokens

@@ -79,8 +79,8 @@ def test_distill_coef_zero_is_grpo_alone(assets, tmp_path):
     # The tests' HF engine on a CPU: the CPU plan's loss chunks and slabs reach the objective, its
     # distillation term and the held-out divergence.
     assert tr.objective.chunk_size == tr.objective.distill.chunk_size == LOSS_CHUNK_ROWS_HF
-    assert tr.heldout.chunk_size == LOSS_CHUNK_ROWS_HF
-    assert tr.objective.distill.slab_elements == tr.heldout.slab_elements == LOSS_SLAB_ELEMENTS
+    assert tr.divergence_objective.chunk_size == LOSS_CHUNK_ROWS_HF
+    assert tr.objective.distill.slab_elements == tr.divergence_objective.slab_elements == LOSS_SLAB_ELEMENTS
 
 
 def test_a_set_loss_chunk_size_wins_over_the_cpu_plan(assets, tmp_path):

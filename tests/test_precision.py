@@ -243,8 +243,8 @@ def test_the_loss_runs_without_autocast(assets, tmp_path, monkeypatch):
 
 
 def test_vllm_dtype_follows_the_compute_dtype(tiny_model, tiny_tokenizer, monkeypatch):
-    from opsd import engines
     from opsd.config import RolloutConfig
+    from opsd.rollout import make
 
     got = {}
 
@@ -252,10 +252,10 @@ def test_vllm_dtype_follows_the_compute_dtype(tiny_model, tiny_tokenizer, monkey
         def __init__(self, model, tokenizer, **kw):
             got.update(kw)
 
-    monkeypatch.setattr(engines, "VLLMEngine", FakeVLLM)
-    engines.make_engine(RolloutConfig(engine="vllm"), tiny_model, tiny_tokenizer, seed=0, compute_dtype=BF16)
+    monkeypatch.setattr(make, "VLLMEngine", FakeVLLM)
+    make.make_engine(RolloutConfig(engine="vllm"), tiny_model, tiny_tokenizer, seed=0, compute_dtype=BF16)
     assert got["dtype"] == "bfloat16"  # not the float32 of master weights
-    engines.make_engine(
+    make.make_engine(
         RolloutConfig(engine="vllm", vllm_dtype="float32"),
         tiny_model,
         tiny_tokenizer,

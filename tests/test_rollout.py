@@ -14,7 +14,6 @@ from helpers import vllm_engine
 
 from opsd.config import RolloutConfig
 from opsd.data.batching import bucket_width
-from opsd.engines import make_engine
 from opsd.errors import UserError
 from opsd.rollout import (
     Completion,
@@ -24,6 +23,7 @@ from opsd.rollout import (
     check_weight_coverage,
     weights_to_resend,
 )
+from opsd.rollout.make import make_engine
 from opsd.tiny import build_tiny_model
 
 PROMPTS = ["What is 3 + 4?", "1", "Compute 12 * 7 and explain step by step.", "a b"]
@@ -292,6 +292,19 @@ def test_make_engine(tiny_model, tiny_tokenizer, prompts):
         make_engine(RolloutConfig.model_construct(engine="tgi"), tiny_model, tiny_tokenizer, seed=0)
 
 
+def test_make_engine_builds_the_resolved_kind(tiny_model, tiny_tokenizer):
+    """rollout.engine=auto is resolved once, by the trainer, and the kind passed in: the engine builder
+    refuses to resolve it again, and refuses tensor parallelism where auto resolved to the HF engine."""
+    auto = RolloutConfig(engine="auto", batch_size=4)
+    engine = make_engine(auto, tiny_model, tiny_tokenizer, seed=0, kind="hf")
+    assert isinstance(engine, HFEngine)
+    with pytest.raises(ValueError, match="resolve it first"):
+        make_engine(auto, tiny_model, tiny_tokenizer, seed=0)
+    parallel = RolloutConfig(engine="auto", tensor_parallel_size=2)
+    with pytest.raises(UserError, match="tensor_parallel_size > 1 needs rollout.engine=vllm"):
+        make_engine(parallel, tiny_model, tiny_tokenizer, seed=0, kind="hf")
+
+
 @pytest.mark.smollm2
 def test_smollm2_generates_from_chat_template(smollm2_path):
     from opsd.models import load_model, load_tokenizer
@@ -316,7 +329,7 @@ def test_smollm2_generates_from_chat_template(smollm2_path):
 def test_vllm_context_holds_the_longest_generation_asked_of_it(fake_vllm, tiny_model, tiny_tokenizer):
     """The held-out evaluation generates on the rollout engine: a context sized for rollouts alone
     would refuse an evaluation prompt plus its longer answer."""
-    from opsd.engines import make_engine
+    from opsd.rollout.make import make_engine
 
     cfg = RolloutConfig(engine="vllm", batch_size=16, max_new_tokens=6)
     make_engine(cfg, tiny_model, tiny_tokenizer, seed=3, max_prompt_len=100, max_new_tokens=40)

@@ -382,6 +382,30 @@ def test_logprob_check_refuses_top_k_and_vllm_server_needs_urls(assets, tmp_path
         )
 
 
+def test_rollout_engine_auto_is_resolved_once_and_named_on_the_startup_line(
+    assets, tmp_path, monkeypatch, capsys
+):
+    """The trainer resolves rollout.engine=auto once and hands the kind to every part that depends
+    on it: the engine built, the CPU plan, the log-prob check, the startup line."""
+    import importlib.util
+
+    from opsd.config import resolve_engine
+    from opsd.rollout import HFEngine
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    resolved = []
+    monkeypatch.setattr(trainer_mod, "resolve_engine", lambda s: resolved.append(s) or resolve_engine(s))
+    tr = Trainer(make_cfg(assets, tmp_path / "r", **{"rollout.engine": "auto", "optim.max_steps": 1}))
+    assert resolved == ["auto"]
+    assert tr.engine_kind == "hf" and isinstance(tr.engine, HFEngine)
+    assert not tr.check_lp  # auto's log-prob check is on beside vLLM only
+    assert "rollout engine: hf (rollout.engine=auto: vLLM is not installed" in capsys.readouterr().err
+    tr.close()
+
+
 def test_cli_closes_the_engine_before_the_process_group(assets, tmp_path, monkeypatch):
     """vLLM's teardown uses the process group: `opsd train` closes the trainer (its engine) first,
     then destroys the group, also when training fails."""

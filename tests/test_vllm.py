@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from opsd import Trainer, load_config  # noqa: E402
 from opsd.config import RolloutConfig  # noqa: E402
-from opsd.engines import make_engine  # noqa: E402
 from opsd.rollout import SamplingParams, VLLMEngine  # noqa: E402
+from opsd.rollout.make import make_engine  # noqa: E402
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.vllm

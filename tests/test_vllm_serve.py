@@ -28,8 +28,8 @@ from process_tree import descendants, gone  # noqa: E402
 
 from opsd import Trainer  # noqa: E402
 from opsd.errors import TrainingError  # noqa: E402
+from opsd.rollout.server import probe_tolerance  # noqa: E402
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
-from opsd.vllm_server import probe_tolerance  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

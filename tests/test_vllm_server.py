@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from opsd import Trainer
 from opsd.errors import TrainingError, UserError
 from opsd.rollout import HFEngine, SamplingParams
-from opsd.vllm_server import ServerError, probe_tolerance
+from opsd.rollout.server import ServerError, probe_tolerance
 
 
 class FakeServer:
@@ -203,7 +203,7 @@ def test_nccl_is_refused_where_it_cannot_work(assets, tmp_path, server):
 def _serve(*argv: str):
     import argparse
 
-    from opsd.vllm_server import add_serve_arguments, serve_command
+    from opsd.rollout.serve import add_serve_arguments, serve_command
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
@@ -254,7 +254,7 @@ def test_serve_finds_a_fetched_short_name_as_train_does(assets, tmp_path, monkey
     directory stands for itself, and anything else is one line naming what was looked for."""
     import shutil
 
-    from opsd.vllm_server import serve_model_dir
+    from opsd.rollout.serve import serve_model_dir
 
     monkeypatch.setenv("OPSD_HOME", str(tmp_path / "home"))
     with pytest.raises(UserError, match=r"^smollm2-135m-instruct is not fetched yet; run `opsd fetch-model"):
@@ -369,7 +369,7 @@ def test_probe_tolerance_follows_the_two_roundings():
 def _clock_that_sleeps(monkeypatch, on_sleep=None) -> list[float]:
     """The wait's clock and sleep, replaced: sleeping advances the clock at once, and ``on_sleep`` runs
     before each sleep. Returns the list of sleeps."""
-    import opsd.vllm_server as vs
+    import opsd.rollout.server as vs
 
     now, slept = [0.0], []
 

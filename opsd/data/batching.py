@@ -162,8 +162,9 @@ class MicroBatch:
     first-to-last, rows in order, matching ``targets`` and ``weights`` (``R`` = sum of response_lens).
     ``*_padded_tokens`` is every position computed: rows x width, or with ``*_rows`` their sum; real /
     padded is the fraction of the forward's work spent on real tokens. ``*_rows`` (a CPU, one process:
-    :func:`make_microbatches`' ``per_row_from``) is each row's width for a forward of its own: its
-    length, or its :func:`bucket_width`; ``None``: one forward over the padded rows.
+    :func:`make_microbatches`' ``pack_from``) is each row's width in the packed forward
+    (:func:`opsd.cpu.packing.packed_hidden`): its length, or its :func:`bucket_width`; ``None``: one
+    forward over the padded rows.
     """
 
     student_ids: Tensor  # [B, Ls] long, right-padded
@@ -196,7 +197,7 @@ def make_microbatches(
     device: torch.device | str,
     min_real_frac: float = 0.0,
     bucket: bool = False,
-    per_row_from: int | None = None,
+    pack_from: int | None = None,
     skip_end: bool = False,
 ) -> list[MicroBatch]:
     """Pack samples under ``max_tokens`` padded tokens and build each group's tensors.
@@ -204,8 +205,8 @@ def make_microbatches(
     Groups come from :func:`pack_microbatches` on max(student, teacher) length (``min_real_frac``: the
     least real-token fraction of a group with more than one sample), in its order; with ``bucket``
     (the CPU plan's) the lengths are rounded up to :func:`bucket_width` first, as
-    the padded widths are, so the budget bounds what is computed. ``per_row_from`` (the CPU plan's
-    ``pack_from``): where a side's rows differ in width and the shortest has at least this many
+    the padded widths are, so the budget bounds what is computed. ``pack_from`` (the CPU plan's):
+    where a side's rows differ in width and the shortest has at least this many
     tokens, the rows' widths are recorded so that they run packed into one forward, unpadded (or each
     padded to its own bucket width): the padding and the attention mask a batch of unequal rows costs
     are gone (docs/cpu.md, "Packed rows"). The
@@ -223,7 +224,7 @@ def make_microbatches(
     dev = torch.device(device)
     return [
         _microbatch(
-            samples, group, pad_id, reduction, global_tokens, global_seqs, dev, bucket, per_row_from, skip_end
+            samples, group, pad_id, reduction, global_tokens, global_seqs, dev, bucket, pack_from, skip_end
         )
         for group in groups
     ]
@@ -238,7 +239,7 @@ def _microbatch(
     global_seqs: float,
     device: torch.device,
     bucket: bool,
-    per_row_from: int | None,
+    pack_from: int | None,
     skip_end: bool,
 ) -> MicroBatch:
     mb = [samples[i] for i in group]
@@ -252,8 +253,8 @@ def _microbatch(
     t_ids, t_mask = pad_right([s.teacher_ids for s in mb], pad_id, device, bucket)
     s_pos = response_positions([len(s.student_ids) for s in mb], resp, s_ids.shape[1]).to(device)
     t_pos = response_positions([len(s.teacher_ids) for s in mb], resp, t_ids.shape[1]).to(device)
-    s_rows = row_widths([len(s.student_ids) for s in mb], bucket, per_row_from)
-    t_rows = row_widths([len(s.teacher_ids) for s in mb], bucket, per_row_from)
+    s_rows = row_widths([len(s.student_ids) for s in mb], bucket, pack_from)
+    t_rows = row_widths([len(s.teacher_ids) for s in mb], bucket, pack_from)
     return MicroBatch(
         student_ids=s_ids,
         student_mask=s_mask,
@@ -289,13 +290,13 @@ def _token_weights(
     return w
 
 
-def row_widths(lengths: list[int], bucket: bool, per_row_from: int | None) -> list[int] | None:
-    """Each row's width in a forward of its own: its length, or its :func:`bucket_width` (never wider
+def row_widths(lengths: list[int], bucket: bool, pack_from: int | None) -> list[int] | None:
+    """Each row's width in the packed forward: its length, or its :func:`bucket_width` (never wider
     than :func:`pad_right`'s width for the group, the bucket of the longest). ``None`` (one batched
-    forward) when ``per_row_from`` is None, the rows are equally wide (nothing to save) or the
-    shortest is under ``per_row_from`` tokens."""
+    forward) when ``pack_from`` is None, the rows are equally wide (nothing to save) or the
+    shortest is under ``pack_from`` tokens."""
     widths = [bucket_width(n) if bucket else n for n in lengths]
-    if per_row_from is None or len(set(widths)) == 1 or min(widths) < per_row_from:
+    if pack_from is None or len(set(widths)) == 1 or min(widths) < pack_from:
         return None
     return widths
 

@@ -148,7 +148,7 @@ def evaluate(
     dtype = dtype_name(compute)
 
     from opsd.config import RolloutConfig
-    from opsd.engines import make_engine
+    from opsd.rollout.make import make_engine
 
     results: dict[str, EvalResult] = {}
     for name, label, tok in zip(models, _labels(models), tokenizers, strict=True):

@@ -1,12 +1,15 @@
 """On-policy rollout engines: prompts as token ids in, sampled responses with log-probs out.
 
-Both engines implement :class:`RolloutEngine` (``opsd.rollout.base``); :func:`opsd.engines.make_engine`
-builds one from the run config.
+The three engines implement :class:`RolloutEngine` (``opsd.rollout.base``);
+:func:`opsd.rollout.make.make_engine` builds the one the run's resolved ``rollout.engine`` names.
 HFEngine (``opsd.rollout.hf``) runs anywhere (CPU or GPU) on the trainer's own model object, so weight
 sync is free.
 VLLMEngine (``opsd.rollout.vllm``, optional `vllm` extra, pinned to one vLLM version) runs a colocated,
 in-process vllm.LLM per trainer rank that sleeps while the trainer trains and reloads the trainer's
 weights after each optimizer step.
+VLLMServerEngine (``opsd.rollout.server``) sends the rollouts over HTTP to `vllm serve` processes that
+`opsd serve` (``opsd.rollout.serve``) starts, and their weights after each optimizer step.
+``opsd.rollout.queue`` decides what each step trains on.
 """
 
 from opsd.rollout.base import Completion, EngineError, RolloutEngine, SamplingParams

@@ -1,14 +1,14 @@
 """The rollout engine contract: prompts as token ids in, sampled responses with log-probs out.
 
-Every engine implements :class:`RolloutEngine`; :func:`opsd.engines.make_engine` builds one from the
-run config. The helpers here are shared by the in-process engines and the HTTP client of
-``opsd.vllm_server``.
+Every engine implements :class:`RolloutEngine`; :func:`opsd.rollout.make.make_engine` builds one from
+the run config. The helpers here are shared by the in-process engines and the HTTP client of
+:mod:`opsd.rollout.server`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from opsd.errors import TrainingError
 
@@ -63,15 +63,21 @@ class EngineError(TrainingError):
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the trainer and `opsd eval` need from a rollout engine.
+    """What the trainer, its rollout queue and `opsd eval` call on a rollout engine.
 
     generate() returns len(prompts) * n completions, prompt-major, deterministic given params.seed.
+    submit() asks for what generate() returns without waiting for it (``rollout.overlap``: the
+    servers sample while the trainer trains) and collect() waits for it, given submit()'s handle.
     sync_weights() makes later generate() calls use the model's current weights. sleep() may free
     the engine's memory while the trainer trains and wake() takes it back; generate() wakes a
     sleeping engine itself. close() releases everything; the engine is unusable afterwards.
     """
 
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]: ...
+
+    def submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> Any: ...
+
+    def collect(self, handle: Any) -> list[Completion]: ...
 
     def sync_weights(self, model) -> None: ...
 
@@ -80,6 +86,17 @@ class RolloutEngine(Protocol):
     def wake(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class SamplesOnSubmit:
+    """submit() and collect() for an engine that samples in the trainer's process: nothing runs beside
+    the trainer's own compute, so submit() samples at once and its handle is the completions."""
+
+    def submit(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        return self.generate(prompts, n, params)
+
+    def collect(self, handle: list[Completion]) -> list[Completion]:
+        return handle
 
 
 def _check_prompts(prompts: list[list[int]], n: int, vocab_size: int | None) -> None:

@@ -28,7 +28,7 @@ from opsd.cpu import CpuPlan, default_plan
 from opsd.data.batching import bucket_width
 from opsd.models import base_model, lora_folded
 from opsd.parallel import gathered
-from opsd.rollout.base import Completion, SamplingParams, _check_prompts, _stop_ids
+from opsd.rollout.base import Completion, SamplesOnSubmit, SamplingParams, _check_prompts, _stop_ids
 
 
 class _Warp(LogitsProcessor):
@@ -95,7 +95,7 @@ class _Recorder(StoppingCriteria):
         return self.end >= 0
 
 
-class HFEngine:
+class HFEngine(SamplesOnSubmit):
     """Batched transformers generation with left padding and KV cache, on the trainer's model object.
 
     On an FSDP-sharded model every rank calls ``generate`` together: the weights are gathered once

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from opsd.distributed import rank_world
 from opsd.errors import UserError
 from opsd.models import fixed_weight_names, head_size, merged_weight_names, merged_weights
-from opsd.rollout.base import Completion, SamplingParams, _check_prompts, _stop_ids
+from opsd.rollout.base import Completion, SamplesOnSubmit, SamplingParams, _check_prompts, _stop_ids
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def _import_vllm():
     return vllm
 
 
-class VLLMEngine:
+class VLLMEngine(SamplesOnSubmit):
     """A colocated, in-process vllm.LLM per trainer rank (vLLM's `external_launcher` executor).
 
     Under torchrun every rank builds its own engine on its own device (LOCAL_RANK); ranks

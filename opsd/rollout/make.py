@@ -1,22 +1,23 @@
-"""``rollout.engine`` -> an engine: the one place that chooses among opsd/rollout.py's engines and
-opsd/vllm_server.py's (a new engine is a class there and a branch here)."""
+"""The engine kind that runs -> an engine: the one place that builds one of the rollout engines
+(:mod:`opsd.rollout.hf`, :mod:`opsd.rollout.vllm`, :mod:`opsd.rollout.server`); a new engine is a
+class of its own and a branch here. ``rollout.engine: auto`` is resolved before, once per run
+(:func:`opsd.config.resolve_engine`), and the kind passed in."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from opsd.config import resolve_engine
 from opsd.cpu import CpuPlan
-from opsd.distributed import rank_world
 from opsd.errors import UserError
 from opsd.precision import dtype_name
-from opsd.rollout import HFEngine, RolloutEngine, VLLMEngine
-from opsd.vllm_server import VLLMServerEngine
+from opsd.rollout.base import RolloutEngine
+from opsd.rollout.hf import HFEngine
+from opsd.rollout.server import VLLMServerEngine
+from opsd.rollout.vllm import VLLMEngine
 
 if TYPE_CHECKING:
     from opsd.config import RolloutConfig
@@ -29,6 +30,7 @@ def make_engine(
     tokenizer,
     *,
     seed: int,
+    kind: str | None = None,
     max_prompt_len: int | None = None,
     max_new_tokens: int | None = None,
     model_path: str | None = None,
@@ -38,7 +40,8 @@ def make_engine(
     run_dir: str | None = None,
     plan: CpuPlan | None = None,
 ) -> RolloutEngine:
-    """The engine the rollout config asks for, on `model` (the trainer's live model object).
+    """The engine of ``kind`` ("hf", "vllm", "vllm_server"; default ``rollout.engine``, which must then
+    name one) with the rollout config's settings, on `model` (the trainer's live model object).
 
     `max_prompt_len` plus `max_new_tokens` (the longest generation asked of the engine, rollouts or
     held-out evaluation; default rollout.max_new_tokens) sizes vLLM's context when
@@ -49,10 +52,12 @@ def make_engine(
     `ranks`: this process's place among the trainer's ranks (one engine per rank under torchrun).
     `plan`: the trainer's CPU plan (the HF engine's decoding mechanisms; None: the device's default).
     """
-    name, why = resolve_engine(rollout.engine)
-    if rank_world()[0] == 0:
-        print(f"rollout engine: {name} ({why})", file=sys.stderr)
+    name = kind or rollout.engine
     if name == "hf":
+        if rollout.tensor_parallel_size > 1:
+            raise UserError(
+                "rollout.tensor_parallel_size > 1 needs rollout.engine=vllm; the HF engine runs here"
+            )
         return HFEngine(
             model,
             tokenizer,
@@ -97,7 +102,9 @@ def make_engine(
             nccl_endpoints=rollout.nccl_endpoints or None,
             server_world_size=rollout.server_tensor_parallel_size,
         )
-    raise UserError(f"rollout.engine={rollout.engine!r} unknown; allowed: ['hf', 'vllm', 'vllm_server']")
+    if name == "auto":
+        raise ValueError("rollout.engine=auto: resolve it first (opsd.config.resolve_engine) and pass kind")
+    raise UserError(f"rollout.engine={name!r} unknown; allowed: ['hf', 'vllm', 'vllm_server']")
 
 
 def fold_lora_bytes(setting: str, plan: CpuPlan | None) -> int | None:
