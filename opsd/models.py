@@ -473,7 +473,7 @@ def _plus_deltas(value: Tensor, mod: nn.Module, name: str, *, out: Tensor | None
 
     Why ``out``: adding a column-major weight (opsd.cpu.layout.frozen_weights) to a row-major delta straight
     into a buffer of the layout wanted is 2-5x faster than adding and then laying the sum out with
-    ``.contiguous()`` (a development reading at SmolLM2's shapes), and gives the same values.
+    ``.contiguous()`` (timed at SmolLM2's shapes when this was written), and gives the same values.
     """
     result = None
     for adapter in mod.active_adapters:

@@ -171,7 +171,7 @@ def forward_hidden(
     rows: list[int] | None = None,
 ) -> Tensor:
     """Final hidden states ``[R, H]`` at ``positions``: ``final_hidden``, through FSDP's root hooks when
-    sharded (one batched forward there: a forward per row would gather every layer once per row).
+    sharded (one batched forward there: rows run packed in one process only).
 
     Use it for every forward of a model that may be sharded (student, adapter-disabled teacher,
     frozen copy); calling the decoder directly would skip the root's all-gather.

@@ -937,7 +937,7 @@ def test_packed_microbatches_name_each_rows_width(bucket: bool) -> None:
     assert all(m.student_rows is None and m.teacher_rows is None for m in never)
     rows = make_microbatches(samples, max_tokens=250, pack_from=1, **kw)
     assert [m.sample_indices for m in rows] == [m.sample_indices for m in batched]
-    per_row = 0
+    packed = 0
     for k, (a, b) in enumerate(zip(batched, rows)):
         assert a.student_rows is None and a.teacher_rows is None
         for side in ("student", "teacher"):
@@ -946,15 +946,15 @@ def test_packed_microbatches_name_each_rows_width(bucket: bool) -> None:
             assert torch.equal(getattr(b, f"{side}_pos"), getattr(a, f"{side}_pos"))
             lengths = [len(getattr(samples[i], f"{side}_ids")) for i in b.sample_indices]
             own = [bucket_width(n) if bucket else n for n in lengths]
-            if len(set(own)) == 1:  # one row, or equal ones: a forward per row would save nothing
+            if len(set(own)) == 1:  # one row, or equal ones: packing would save nothing
                 assert widths is None and getattr(b, f"{side}_padded_tokens") == ids.numel()
                 continue
-            per_row += 1
+            packed += 1
             assert widths == own and all(n <= w <= ids.shape[1] for n, w in zip(lengths, widths))
             assert getattr(b, f"{side}_padded_tokens") == sum(widths) < ids.numel()
             shortest = make_microbatches(samples, max_tokens=250, pack_from=min(own) + 1, **kw)
             assert getattr(shortest[k], f"{side}_rows") is None
-    assert per_row > 0
+    assert packed > 0
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ def _log_probs(
     taken here.
 
     The agreement reads ``max(-1).indices`` rather than ``argmax``: the same first maximal index, and
-    2.5x faster on a ``[256, 49152]`` float32 block on a CPU (3.3 against 8.4 ms, development reading).
+    2.5x faster on a ``[256, 49152]`` float32 block on a CPU (3.3 against 8.4 ms when this was written).
     """
     stats = LossStats(tokens=float(a.shape[0]))
     if with_stats:
@@ -364,7 +364,7 @@ def _head_products(
     Student and teacher rows that share a head go through it together: a product's time on a CPU
     grows far less than its rows (bf16 at SmolLM2's head: 512 rows 14.6 ms against 9.7 for 256, the
     second product of :func:`_logits_bf16` 16.6 against 13.8; float32 90 against 51), because each
-    product streams the whole ``[V, H]`` head (development readings).
+    product streams the whole ``[V, H]`` head (timed when this was written).
     """
     if matmul_dtype is None:
         return (h * inv_t) @ w.t(), None
