@@ -25,7 +25,14 @@ from opsd.loss import LossStats
 PHASES = ("rollout", "teacher", "student", "loss", "optim")
 TIME_KEYS = tuple(f"time_{p}" for p in PHASES)
 # Loss statistics (opsd.loss.LossStats.means()).
-LOSS_STAT_KEYS = ("divergence", "clip_frac", "entropy_student", "entropy_teacher", "agreement")
+LOSS_STAT_KEYS = (
+    "divergence",
+    "clip_frac",
+    "entropy_student",
+    "entropy_teacher",
+    "agreement",
+    "overlap_mass",
+)
 LENGTH_KEYS = ("resp_len_mean", "resp_len_max", "truncated_frac")
 # "repetition": the share of repeated n-grams of this length in a response (:func:`repetition`),
 # averaged over the step's responses that have at least one.
@@ -138,8 +145,8 @@ def format_step_line(rec: dict) -> str:
     """The one console line per step (beside the progress bar)."""
     line = (
         f"step {rec['step']:>5} | loss {rec['loss']:.4f} | div {rec['divergence']:.4f} | "
-        f"clip {rec['clip_frac']:.3f} | agree {rec['agreement']:.3f} | len {rec['resp_len_mean']:.0f} | "
-        f"{rec['tokens_per_s']:.0f} tok/s | {rec['time_step']:.1f}s"
+        f"clip {rec['clip_frac']:.3f} | agree {rec['agreement']:.3f} | overlap {rec['overlap_mass']:.3f} | "
+        f"len {rec['resp_len_mean']:.0f} | {rec['tokens_per_s']:.0f} tok/s | {rec['time_step']:.1f}s"
     )
     evals = [f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("eval/")]
     return line + (" | " + " ".join(evals) if evals else "")

@@ -30,7 +30,7 @@ PLOTS: list[tuple[str, str, list[list[str]]]] = [
     ("loss", "Loss and mean divergence", [["loss"], ["divergence"]]),
     ("clip_frac", "Clip fraction", [["clip_frac"]]),
     ("entropy", "Student and teacher entropy", [["entropy_student", "entropy_teacher"]]),
-    ("agreement", "Teacher-student agreement", [["agreement"]]),
+    ("agreement", "Teacher-student top-1 agreement and top-16 overlap mass", [["agreement", "overlap_mass"]]),
     (
         "response_length",
         "Response length and truncation",

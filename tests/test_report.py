@@ -39,6 +39,7 @@ def _train_record(step: int, loss: float) -> dict:
             "entropy_student": 1.5,
             "entropy_teacher": 1.2,
             "agreement": 0.8,
+            "overlap_mass": 0.9,
         },
         grad_norm=0.7,
         lr=1e-5,

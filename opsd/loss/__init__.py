@@ -47,7 +47,8 @@ The seed's vocab-parallel kernel (logits sharded over a tensor-parallel group) i
 shards with FSDP2, whose gathered head is whole on every rank, so nothing would call it.
 
 And the GRPO objective's :func:`fused_linear_policy_gradient` (``policy_gradient.py``), the
-sampled-token kernel with a given advantage.
+sampled-token kernel with a given advantage; and :func:`topk_overlap_mass` (``overlap.py``), the
+teacher's mass on the two top-16 sets' intersection, which the kernels sum per chunk.
 
 Only ``spec.py`` is imported eagerly (``opsd.config`` uses it and must not import torch); the
 others load on first use.
@@ -62,6 +63,7 @@ from opsd.loss.spec import CLIP_MODES, KEEPS_DESCENT, MODES, REDUCTIONS, Distill
 
 if TYPE_CHECKING:
     from opsd.loss.fused import auto_chunk_size, fused_linear_distill
+    from opsd.loss.overlap import OVERLAP_K, topk_overlap_mass
     from opsd.loss.policy_gradient import fused_linear_policy_gradient, token_logprobs
     from opsd.loss.reference import distill_loss_dense, per_token_loss_dense
 
@@ -72,12 +74,15 @@ _LAZY = {
     "per_token_loss_dense": "reference",
     "fused_linear_policy_gradient": "policy_gradient",
     "token_logprobs": "policy_gradient",
+    "OVERLAP_K": "overlap",
+    "topk_overlap_mass": "overlap",
 }
 
 __all__ = [
     "CLIP_MODES",
     "KEEPS_DESCENT",
     "MODES",
+    "OVERLAP_K",
     "REDUCTIONS",
     "DistillSpec",
     "LossStats",
@@ -87,6 +92,7 @@ __all__ = [
     "fused_linear_distill",
     "per_token_loss_dense",
     "token_logprobs",
+    "topk_overlap_mass",
 ]
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from opsd.loss.overlap import topk_overlap_mass
 from opsd.loss.reference import compute_dtype, kernel_precision, token_scale
 from opsd.loss.spec import DistillSpec, LossStats
 
@@ -39,7 +40,8 @@ def _log_probs(
     y: Tensor | None = None,
     lp: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None, LossStats]:
-    """``log S``, ``log P`` and the chunk's stats so far (its top-1 agreement); ``lp``, if given, is
+    """``log S``, ``log P`` and the chunk's stats so far (its top-1 agreement and top-16 overlap mass,
+    :func:`opsd.loss.overlap.topk_overlap_mass`); ``lp``, if given, is
     filled with ``log S(y)`` over the full vocabulary (the rollout log-prob check's tokens ``y``).
 
     Over the full vocabulary they are written into ``a`` and ``b``, which the caller does not read
@@ -59,12 +61,17 @@ def _log_probs(
             lp.copy_(a.gather(-1, y[:, None]).squeeze(-1) - a.logsumexp(-1))
         idx = b.topk(spec.topk, dim=-1).indices
         if with_stats:
-            _entropies(stats, a.log_softmax(-1), b.log_softmax(-1))
+            full_s, full_p = a.log_softmax(-1), b.log_softmax(-1)
+            _entropies(stats, full_s, full_p)
+            stats.overlap = topk_overlap_mass(full_s, full_p).sum()
         return a.gather(-1, idx).log_softmax(-1), b.gather(-1, idx).log_softmax(-1), idx, stats
     log_s = torch.log_softmax(a, -1, out=a)
     if lp is not None:  # read off log S: no logsumexp pass of its own
         lp.copy_(log_s.gather(-1, y[:, None]).squeeze(-1))
-    return log_s, torch.log_softmax(b, -1, out=b), None, stats
+    log_p = torch.log_softmax(b, -1, out=b)
+    if with_stats:
+        stats.overlap = topk_overlap_mass(log_s, log_p).sum()
+    return log_s, log_p, None, stats
 
 
 def _entropies(

@@ -98,6 +98,7 @@ class LossStats:
     entropy_student: float = 0.0
     entropy_teacher: float = 0.0
     agree: float = 0.0  # teacher and student top-1 agree
+    overlap: float = 0.0  # the teacher's mass on the two top-16 sets' intersection (opsd.loss.overlap)
     logprob_gap: float = 0.0  # sum over checked tokens of |rollout engine's log S(y) - trainer's log S(y)|
     logprob_tokens: float = 0.0  # tokens checked (0: no check this step)
 
@@ -137,4 +138,5 @@ class LossStats:
             "entropy_student": self.entropy_student / n,
             "entropy_teacher": self.entropy_teacher / n,
             "agreement": self.agree / n,
+            "overlap_mass": self.overlap / n,
         }
