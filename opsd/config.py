@@ -492,6 +492,38 @@ class GRPOConfig(_Section):
         return v
 
 
+class RLSDConfig(_Section):
+    """objective=rlsd: GRPO (the grpo section's grader, scaling and tis_cap) whose sign comes from the
+    verifier's sequence advantage A, the privileged teacher reweighting only each token's magnitude (the
+    OPSD authors' RLSD): w_t = clip(exp(sign(A) (log P(y_t) - log S(y_t))), 1 - epsilon_w, 1 + epsilon_w)
+    at the loss temperature, and A_t = A ((1 - lambda) + lambda w_t). The teacher never turns a token's
+    sign; logged as rlsd_lambda, rlsd_weight_mean and rlsd_weight_clip_frac."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, serialize_by_alias=True)
+
+    lambda_: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        alias="lambda",
+        description="The teacher's share of each token's advantage at the first step: 0 is GRPO, 1 the "
+        "teacher's weight alone.",
+    )
+    lambda_decay_steps: int = Field(
+        50,
+        ge=0,
+        description="The share falls linearly from lambda to 0 over this many optimizer steps, and the "
+        "steps after are GRPO (the teacher still scores them); 0: it stays at lambda.",
+    )
+    epsilon_w: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="Each token's teacher weight is clipped to [1 - epsilon_w, 1 + epsilon_w]: how far the "
+        "teacher may scale one token's credit or blame.",
+    )
+
+
 class OptimConfig(_Section):
     """AdamW, the learning-rate schedule, the step count and the micro-batches a step is cut into."""
 
@@ -685,12 +717,14 @@ class Config(_Section):
         description="auto, cpu, cuda or cuda:N; auto: CUDA where available (under torchrun each rank's own "
         "GPU), else the CPU.",
     )
-    objective: Literal["opsd", "grpo"] = Field(
+    objective: Literal["opsd", "grpo", "rlsd"] = Field(
         "opsd",
         description="opsd: on-policy self-distillation; grpo: the RL baseline (same rollouts, data and loss "
-        "kernel).",
+        "kernel); rlsd: GRPO with each token's advantage reweighted by the privileged teacher (the rlsd "
+        "section).",
     )
     grpo: GRPOConfig = GRPOConfig()
+    rlsd: RLSDConfig = RLSDConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
@@ -722,14 +756,22 @@ class Config(_Section):
             raise ValueError("teacher.mode=external needs teacher.path (the teacher model)")
         if t.mode != "external" and t.path:
             raise ValueError(f"teacher.path is only used with teacher.mode=external, not {t.mode!r}")
-        if self.objective == "grpo":
+        if self.objective in ("grpo", "rlsd"):
             if self.rollout.n < 2:
-                raise ValueError("objective=grpo needs rollout.n >= 2 (advantages are relative to a group)")
+                raise ValueError(
+                    f"objective={self.objective} needs rollout.n >= 2 (advantages are relative to a group)"
+                )
             if not self.data.answer_key:
                 raise ValueError(
-                    "objective=grpo needs data.answer_key (the field the reward is graded against)"
+                    f"objective={self.objective} needs data.answer_key (the field the reward is graded "
+                    "against)"
                 )
-        distills = self.objective == "opsd" or self.grpo.distill_coef > 0
+        if self.objective == "rlsd" and self.grpo.distill_coef > 0:
+            raise ValueError(
+                "grpo.distill_coef adds a distillation term to objective=grpo; objective=rlsd's teacher "
+                "reweights the advantages instead: set it to 0"
+            )
+        distills = self.objective != "grpo" or self.grpo.distill_coef > 0
         if distills and t.privileged and self.data.solution_key is None:
             raise ValueError(
                 "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
@@ -758,11 +800,16 @@ class Config(_Section):
                 )
         if r.overlap and r.engine != "vllm_server":
             raise ValueError("rollout.overlap=1 needs rollout.engine=vllm_server (separate servers)")
-        if r.overlap and self.objective == "grpo" and self.grpo.tis_cap and not r.checks_logprobs(r.engine):
+        if (
+            r.overlap
+            and self.objective in ("grpo", "rlsd")
+            and self.grpo.tis_cap
+            and not r.checks_logprobs(r.engine)
+        ):
             raise ValueError(
-                "rollout.overlap=1 with objective=grpo corrects the lag from the engine's log-probs, "
-                "which need rollout.temperature > 0, top_k=0 and top_p=1 (or set grpo.tis_cap=0 to "
-                "train uncorrected)"
+                f"rollout.overlap=1 with objective={self.objective} corrects the lag from the engine's "
+                "log-probs, which need rollout.temperature > 0, top_k=0 and top_p=1 (or set grpo.tis_cap=0 "
+                "to train uncorrected)"
             )
         if self.eval.divergence and not self.eval.path:
             raise ValueError("eval.divergence=true needs eval.path (held-out problems with solutions)")

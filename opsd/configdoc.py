@@ -44,8 +44,9 @@ def sections(root: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, typ
 
 
 def leaves(model: type[BaseModel]) -> list[tuple[str, FieldInfo]]:
-    """The fields of ``model`` that are settings rather than sections, in declaration order."""
-    return [(name, f) for name, f in model.model_fields.items() if not _is_section(f.annotation)]
+    """The fields of ``model`` that are settings rather than sections, in declaration order, each by the
+    name a config file spells it (its alias: ``rlsd.lambda`` is the field ``lambda_``)."""
+    return [(f.alias or name, f) for name, f in model.model_fields.items() if not _is_section(f.annotation)]
 
 
 def section_doc(model: type[BaseModel]) -> str:

@@ -59,8 +59,9 @@ STEP_KEYS = (
     "peak_mem_gb",
 )
 # Written only when measured: the rollout/trainer log-prob gap (rollout.logprob_check), GRPO's reward,
-# the rollouts' policy lag (rollout.overlap).
-OPTIONAL_KEYS = ("logprob_gap", "reward_mean", "flat_group_frac", "policy_lag")
+# the rollouts' policy lag (rollout.overlap), RLSD's teacher share and token weights (objective=rlsd).
+RLSD_KEYS = ("rlsd_lambda", "rlsd_weight_mean", "rlsd_weight_clip_frac")
+OPTIONAL_KEYS = ("logprob_gap", "reward_mean", "flat_group_frac", "policy_lag", *RLSD_KEYS)
 
 
 def step_record(

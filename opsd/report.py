@@ -17,7 +17,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # no pyplot: no global backend/state, renders with Agg
 
 from opsd.errors import UserError
-from opsd.metrics import REPETITION_N, TIME_KEYS
+from opsd.metrics import REPETITION_N, RLSD_KEYS, TIME_KEYS
 from opsd.records import read_best, read_stops
 
 EVAL_PREFIX = "eval/"
@@ -45,6 +45,11 @@ PLOTS: list[tuple[str, str, list[list[str]]]] = [
     ("optim", "Learning rate, grad norm and memory", [["lr"], ["grad_norm"], ["peak_mem_gb"]]),
     ("logprob_gap", "Rollout engine vs trainer: mean |log-prob difference| per token", [["logprob_gap"]]),
     ("reward", "GRPO: mean reward and groups without signal", [["reward_mean"], ["flat_group_frac"]]),
+    (
+        "rlsd",
+        "RLSD: the teacher's share and its token weights",
+        [[k] for k in RLSD_KEYS],
+    ),
 ]
 
 

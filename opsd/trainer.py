@@ -88,7 +88,7 @@ class Trainer:
         kind, chosen = resolve_engine(cfg.rollout.engine)
         self.engine_kind = kind
         dtype = self.precision.compute
-        # The CPU plan (empty on a GPU), then what is trained for: distillation, GRPO, or both.
+        # The CPU plan (empty on a GPU), then what is trained for: distillation, GRPO, both, or RLSD.
         plan = cpu.resolve_plan(cfg.cpu, self.device, dtype, engine=kind, sharded=sharded, compiled=m.compile)
         chunk = cfg.loss.chunk_size or plan.loss_chunk_rows
         self.objective = make_objective(cfg, chunk, plan.loss_slab_elements)
@@ -175,7 +175,7 @@ class Trainer:
         samples = [make_sample(*p, c.token_ids, i, c.finish_reason, lp) for (c, p, i), lp in zip(rows, lps)]
         # What the objective reads from the rollouts as a whole (GRPO: rewards, group advantages).
         answers = [self.examples[i].answer for i in ex_idx]
-        scores = self.objective.score(completions, answers, self.decode)
+        scores = self.objective.score(completions, answers, self.decode, step=self.step_num)
         batches = self.microbatches(samples)
 
         # 4-7. Per micro-batch: the teacher scores the response (Teacher.score, no grad), the student

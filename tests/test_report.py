@@ -134,7 +134,10 @@ def test_best_checkpoint_and_guard_stops_are_marked(tmp_path: Path, monkeypatch)
     drawn.clear()
     md = write_report(run).read_text()
     marks = {"best checkpoint (step 4)": 4.0, "guard.min_length_ratio stop (step 7)": 7.0}
-    assert set(drawn) == {"eval", *(stem for stem, _, _ in PLOTS if stem not in ("logprob_gap", "reward"))}
+    assert set(drawn) == {
+        "eval",
+        *(stem for stem, _, _ in PLOTS if stem not in ("logprob_gap", "reward", "rlsd")),
+    }
     assert all(p.vlines == marks for panels in drawn.values() for p in panels)
     assert "- best checkpoint: `checkpoints/step_000004`, eval/avg@1=0.5 at step 4" in md
     assert f"- guard stop: {line}" in md

@@ -64,7 +64,7 @@ from opsd.loss.spec import CLIP_MODES, KEEPS_DESCENT, MODES, REDUCTIONS, Distill
 if TYPE_CHECKING:
     from opsd.loss.fused import auto_chunk_size, fused_linear_distill
     from opsd.loss.overlap import OVERLAP_K, topk_overlap_mass
-    from opsd.loss.policy_gradient import fused_linear_policy_gradient, token_logprobs
+    from opsd.loss.policy_gradient import fused_linear_policy_gradient, paired_token_logprobs, token_logprobs
     from opsd.loss.reference import distill_loss_dense, per_token_loss_dense
 
 _LAZY = {
@@ -74,6 +74,7 @@ _LAZY = {
     "per_token_loss_dense": "reference",
     "fused_linear_policy_gradient": "policy_gradient",
     "token_logprobs": "policy_gradient",
+    "paired_token_logprobs": "policy_gradient",
     "OVERLAP_K": "overlap",
     "topk_overlap_mass": "overlap",
 }
@@ -90,6 +91,7 @@ __all__ = [
     "fused_linear_policy_gradient",
     "distill_loss_dense",
     "fused_linear_distill",
+    "paired_token_logprobs",
     "per_token_loss_dense",
     "token_logprobs",
     "topk_overlap_mass",

@@ -11,6 +11,9 @@ Both kernels compute in float32 (float64 for float64 input). A head stored in an
 model's) is cast a block of rows at a time as each product reads it (:func:`_head_rows`), never as
 a whole: a float32 copy of Qwen3-1.7B's ``[151936, 2048]`` head is 1.2 GB, and was made at every
 call. A head already in the compute dtype is read as it is, in one block.
+
+:func:`paired_token_logprobs` reads the student's and the teacher's log-probabilities of the sampled
+tokens a chunk at a time: the per-token credit of ``objective: rlsd``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opsd.loss.fused import _grad_sampled, _PrecomputedGrad, auto_chunk_size
+from opsd.loss.fused import _entropies, _grad_sampled, _log_probs, _PrecomputedGrad, auto_chunk_size
 from opsd.loss.reference import compute_dtype, kernel_precision
-from opsd.loss.spec import LossStats
+from opsd.loss.spec import DistillSpec, LossStats
 
 
 @kernel_precision
@@ -107,6 +110,51 @@ def token_logprobs(
         y = targets[start : start + step, None]
         out[start : start + step] = (z.gather(-1, y) - z.logsumexp(-1, keepdim=True)).squeeze(-1)
     return out
+
+
+@torch.no_grad()
+@kernel_precision
+def paired_token_logprobs(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    targets: Tensor,
+    weights: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor, LossStats]:
+    """``log S(y)`` and ``log P(y)`` per row at ``temperature``, and the loss statistics of the rows with
+    a non-zero weight (the sampled estimate ``log S(y) - log P(y)`` as divergence, entropies, top-1
+    agreement, top-16 overlap mass), a chunk of both models' logits at a time, in fp32 (float64 for
+    float64 input), without gradients.
+
+    What a reward-signed objective needs from the teacher (``objective: rlsd``): how much more or less
+    likely the teacher finds each sampled token. Rows with weight 0 are not computed and stay NaN.
+    """
+    dtype = compute_dtype(student_hidden)
+    ws, s_blocks = student_weight.detach(), _head_rows(student_weight, dtype)
+    wt, t_blocks = teacher_weight.detach(), _head_rows(teacher_weight, dtype)
+    log_s = torch.full((student_hidden.shape[0],), float("nan"), dtype=dtype, device=student_hidden.device)
+    log_p = torch.full_like(log_s, float("nan"))
+    stats = LossStats()
+    rows = (weights != 0).nonzero().squeeze(-1)
+    step, inv_t = chunk_size or auto_chunk_size(ws.shape[0]), 1.0 / temperature
+    spec = DistillSpec(temperature=temperature)
+    for start in range(0, rows.numel(), step):
+        idx = rows[start : start + step]
+        a = _logits(student_hidden.detach().index_select(0, idx).to(dtype) * inv_t, ws, s_blocks, dtype)
+        b = _logits(teacher_hidden.detach().index_select(0, idx).to(dtype) * inv_t, wt, t_blocks, dtype)
+        y = targets.index_select(0, idx)[:, None]
+        ls, lp, _, st = _log_probs(a, b, spec, True)
+        _entropies(st, ls, lp)
+        ls_y, lp_y = ls.gather(-1, y).squeeze(-1), lp.gather(-1, y).squeeze(-1)
+        st.divergence = (ls_y - lp_y).sum()
+        log_s.index_copy_(0, idx, ls_y)
+        log_p.index_copy_(0, idx, lp_y)
+        stats.add(st)
+    return log_s, log_p, stats.materialize()
 
 
 # The most elements of one block of the head cast to the compute dtype: 64 MB in float32 (8192 of
