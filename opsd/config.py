@@ -361,12 +361,14 @@ class LossConfig(_Section):
         "solution the teacher reads, with its end token), logged as sft_loss; 0: none. An anchor for "
         "format and stopping.",
     )
-    end_token: Literal["distill", "skip"] = Field(
+    end_token: Literal["distill", "skip", "floor"] = Field(
         "distill",
-        description="objective=opsd: distill: the end token that closes a stopped response is distilled like "
-        "any other; skip: it weighs 0, so that a teacher reading the solution, which gives ending less "
-        "mass than the student where the student's answer is wrong, does not pull the student to go on "
-        "there (on arith this alone did not keep the student stopping: docs/results.md).",
+        description="distill: the end tokens are distilled like any other; skip (objective=opsd): the end "
+        "token that closes a stopped response weighs 0; floor (mode=jsd): at every response token the "
+        "teacher's end-token mass is raised to the student's own where it is lower, the rest of its "
+        "distribution scaled to fit, so that the loss never lowers the student's chance of ending. A "
+        "teacher that reads the solution and sees a wrong answer would rather go on and correct it; the "
+        "student, without the solution, learns that only as not stopping (docs/results.md, arith).",
     )
     topk: int = Field(
         0, ge=0, description="mode=topk: the teacher's most likely tokens the loss is taken over."
@@ -395,6 +397,8 @@ class LossConfig(_Section):
             self.to_spec(1.0)
         except UserError as e:
             raise ValueError(str(e)) from None
+        if self.end_token == "floor" and self.mode != "jsd":
+            raise ValueError(f"end_token=floor needs mode=jsd (the full distributions), got mode={self.mode!r}")
         return self
 
     def to_spec(self, rollout_temperature: float) -> DistillSpec:

@@ -18,7 +18,7 @@ turns the all-reduced sums into metrics (:meth:`metrics`). The trainer holds no 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -324,6 +324,17 @@ def make_distillation(cfg: Config, chunk_size: int | None, slab_elements: int | 
         sampling_temperature=cfg.rollout.temperature,
         slab_elements=slab_elements,
     )
+
+
+def floor_end_tokens(objective: Objective, end_ids: tuple[int, ...]) -> Objective:
+    """``objective`` with ``loss.end_token=floor``'s end tokens in its distillation's spec
+    (:func:`opsd.loss.reference.floor_end`): they are known only once the tokenizer and the model
+    are, after the objective is built."""
+    if isinstance(objective, Distillation):
+        return replace(objective, spec=replace(objective.spec, end_ids=end_ids))
+    if isinstance(objective, RLSD):
+        return replace(objective, grpo=floor_end_tokens(objective.grpo, end_ids))
+    return replace(objective, distill=floor_end_tokens(objective.distill, end_ids))
 
 
 def make_objective(cfg: Config, chunk_size: int | None, slab_elements: int | None = None) -> Objective:

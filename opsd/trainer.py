@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import warnings
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from opsd.grading import as_grade, resolve_grader
 from opsd.guard import Guard
 from opsd.loss import LossStats
 from opsd.microbatch import forward_backward
-from opsd.objectives import Objective, Scores, make_distillation, make_objective
+from opsd.objectives import Objective, Scores, floor_end_tokens, make_distillation, make_objective
 from opsd.parallel import clip_grad_norm, full_head_weight
 from opsd.rollout import EngineError
+from opsd.rollout.base import _stop_ids
 from opsd.rollout.queue import RolloutQueue
 from opsd.rundir import GracefulStop, prepare_run_dir
 
@@ -110,6 +112,10 @@ class Trainer:
         self.model, self.teacher, self.plan = setup.prepare_model(
             cfg, self.dist, self.precision, plan, teacher_mode=teacher_mode, vocab=self.tokenizer.get_vocab()
         )
+        if cfg.loss.end_token == "floor":  # the end tokens are known once the tokenizer and model are
+            ends = tuple(_stop_ids(self.tokenizer, self.model, []))
+            self.objective = floor_end_tokens(self.objective, ends)
+            self.spec = replace(self.spec, end_ids=ends)
         if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
             torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -58,3 +58,28 @@ def test_a_run_that_skips_end_tokens_trains(tmp_path):
         assert read == sum(len(c.token_ids) for c in out.completions) - len(stopped)
     finally:
         trainer.close()
+
+
+def test_a_run_that_floors_end_tokens_trains_with_the_models_end_tokens(tmp_path):
+    """loss.end_token=floor puts the tokenizer's and the model's end tokens into the loss's spec, which
+    the objective and the startup line share, and trains."""
+    from opsd.rollout.base import _stop_ids
+
+    assets = build_assets(tmp_path / "assets")
+    cfg = make_cfg(assets, tmp_path / "run", **{"loss.end_token": "floor", "checkpoint.enabled": "false"})
+    trainer = Trainer(cfg)
+    try:
+        ends = tuple(_stop_ids(trainer.tokenizer, trainer.model, []))
+        assert ends and trainer.spec.end_ids == ends == trainer.objective.spec.end_ids
+        assert "floored" in trainer.spec.describe()
+        out = trainer.step()
+        assert out.finite and math.isfinite(float(out.loss_sum))
+    finally:
+        trainer.close()
+
+
+def test_the_floor_needs_the_full_distributions(tmp_path):
+    from opsd.config import LossConfig
+
+    with pytest.raises(ValueError, match="end_token=floor needs mode=jsd"):
+        LossConfig(end_token="floor", mode="topk", topk=4)

@@ -13,7 +13,7 @@ from opsd.cli import main
 from opsd.data import Example, load_examples, student_prompt_ids
 from opsd.errors import UserError
 from opsd.eval import EvalResult, add_eval_arguments, evaluate, evaluate_model, format_table, run_eval
-from opsd.grading import Grade
+from opsd.grading import GRADERS, Grade
 from opsd.rollout import Completion
 
 ROWS = [
@@ -273,6 +273,8 @@ def test_config_file_and_overrides(tmp_path: Path, tiny_model_dir: Path) -> None
     assert cfg.rollout.temperature == 0 and cfg.data.limit == 2 and cfg.rollout.top_p == 0.95
     assert cfg.grader == "math"
     assert load_config(cfg_path, ["grader=lenient"], schema=EvalCommandConfig).grader == "lenient"
+    for name in GRADERS:  # every grader training's eval.grader names
+        assert load_config(cfg_path, [f"grader={name}"], schema=EvalCommandConfig).grader == name
 
     p = argparse.ArgumentParser()
     add_eval_arguments(p)

@@ -27,13 +27,21 @@ BETAS = [0.0, 0.3, 0.5, 1.0]
 CLIPS = [("none", 0.0), ("entry", 0.05), ("token", 0.3), ("scale", 0.3)]
 
 
-def independent(zs, zt, targets, *, mode, beta, temperature, clip_mode, clip, topk):
-    """Per-token loss written with F.kl_div and explicit mixtures, in float64."""
+def independent(zs, zt, targets, *, mode, beta, temperature, clip_mode, clip, topk, end_ids=()):
+    """Per-token loss written with F.kl_div and explicit mixtures, in float64; ``end_ids``: the
+    teacher's end mass raised to the student's where lower, as a mask and a mixture of two rescalings."""
     zs, zt = zs.double() / temperature, zt.double() / temperature
     if mode == "topk":
         idx = zt.topk(topk, -1).indices
         zs, zt = zs.gather(-1, idx), zt.gather(-1, idx)
     log_s, log_p = F.log_softmax(zs, -1), F.log_softmax(zt, -1)
+    if end_ids:
+        is_end = torch.zeros(zs.shape[-1], dtype=torch.bool)
+        is_end[list(end_ids)] = True
+        p, s = log_p.exp(), log_s.exp()
+        raised = torch.where(is_end & (s > p), s, p)
+        m_p, m_f = (p * is_end).sum(-1, keepdim=True), (raised * is_end).sum(-1, keepdim=True)
+        log_p = torch.where(is_end, raised, p * (1 - m_f) / (1 - m_p)).log()
     if mode == "sampled":
         ls = log_s.gather(-1, targets[:, None])[:, 0]
         lp = log_p.gather(-1, targets[:, None])[:, 0]
@@ -68,10 +76,13 @@ def cases():
     for beta, (cm, c) in itertools.product([0.0, 0.5, 1.0], CLIPS):
         yield dict(mode="topk", beta=beta, clip_mode=cm, clip=c, topk=5)
     yield dict(mode="sampled", beta=0.0, clip_mode="none", clip=0.0, topk=0)
+    for beta, (cm, c) in itertools.product(BETAS, CLIPS):  # loss.end_token=floor, two end tokens
+        yield dict(mode="jsd", beta=beta, clip_mode=cm, clip=c, topk=0, end_ids=END_IDS)
 
 
+END_IDS = (3, 7)
 CASES = list(cases())
-IDS = [f"{c['mode']}-b{c['beta']}-{c['clip_mode']}" for c in CASES]
+IDS = [f"{c['mode']}-b{c['beta']}-{c['clip_mode']}" + ("-floor" if c.get("end_ids") else "") for c in CASES]
 
 
 @pytest.mark.parametrize("kw", CASES, ids=IDS)
@@ -119,6 +130,11 @@ def test_gradcheck_chunked(kw):
         spec = DistillSpec(temperature=1.1, **kw)
         return fused_linear_distill(h, wgt, ht, wt, weights, y, spec, chunk_size=2)[0]
 
+    if kw.get("end_ids"):
+        pytest.skip(
+            "the floor holds the student's end mass as a constant of the target (no gradient through it): "
+            "its gradient is the dense oracle's, whose detach says so (test_chunked_gradients_match_dense_autograd)"
+        )
     if kw["clip_mode"] == "scale":
         # scale's gradient is c_n dD_n with c_n = min(1, clip / D_n) a constant of the step: the gradient
         # of sum w_n c_n D_n, whose own gradient gradcheck checks by central differences with c0 fixed.
@@ -242,6 +258,68 @@ def test_every_token_steps_down_its_own_divergence(clip, mode, beta):
             bound = 30 * 2.2e-16 * g_clip.norm(dim=-1) * g_raw.norm(dim=-1)
             worst.append((change - bound).max().item())
     assert max(worst) <= 0, f"a token's clipped step raised its own divergence by up to {max(worst):.3g}"
+
+
+@pytest.mark.parametrize("clip", [("none", 0.0), ("token", 2.0), ("scale", 2.0)], ids=lambda c: c[0])
+@pytest.mark.parametrize("beta", BETAS)
+def test_the_end_floor_never_lowers_the_students_end_logit(clip, beta):
+    """With loss.end_token=floor the gradient on every end logit is <= 0 on every token (a descent step
+    never lowers it), in the dense oracle and through the fused kernel; without it some token's is > 0
+    (the teacher would end less than the student there), so the check can fail."""
+    spec = DistillSpec(beta=beta, temperature=1.1, clip_mode=clip[0], clip=clip[1], end_ids=END_IDS)
+    g = torch.Generator().manual_seed(11)
+    v, n = 30, 64
+    zs = torch.randn(n, v, generator=g, dtype=torch.float64) * 2
+    zt = torch.randn(n, v, generator=g, dtype=torch.float64) * 2
+    zs[: n // 2, list(END_IDS)] += 3.0  # half the rows: the student would end more than the teacher
+    ends = list(END_IDS)
+    h = zs.clone().requires_grad_()
+    head = torch.eye(v, dtype=torch.float64)
+    loss, _ = fused_linear_distill(h, head, zt, head, torch.ones(n, dtype=torch.float64), None, spec)
+    loss.backward()
+    for grad in (per_token_gradients(zs, zt, spec), h.grad):
+        # float64: each entry a few products of probabilities <= 1: rounding below 1e-15
+        assert grad[:, ends].max() <= 1e-15
+        assert grad[:, ends].min() < -1e-3  # the floor still pulls where the teacher would end more
+    plain = per_token_gradients(zs, zt, replace(spec, end_ids=()))
+    assert plain[:, ends].max() > 1e-3
+
+
+def test_the_end_floor_changes_only_rows_where_the_teacher_ends_less():
+    """Where no end token is likelier under the student, the floored loss is the plain one; where one is,
+    the floored teacher's end entries are the larger of the two and it stays a distribution."""
+    from opsd.loss.reference import floor_end
+
+    g = torch.Generator().manual_seed(12)
+    zs = torch.randn(40, 25, generator=g, dtype=torch.float64)
+    zt = torch.randn(40, 25, generator=g, dtype=torch.float64)
+    ends = list(END_IDS)
+    log_s, log_p = zs.log_softmax(-1), zt.log_softmax(-1)
+    floored = floor_end(log_s, log_p, END_IDS).exp()
+    s, p = log_s.exp(), log_p.exp()
+    lower = (p[:, ends] < s[:, ends]).any(-1)
+    assert lower.any() and (~lower).any()
+    torch.testing.assert_close(floored[~lower], p[~lower], rtol=0, atol=1e-15)
+    torch.testing.assert_close(floored[:, ends], torch.maximum(s[:, ends], p[:, ends]), rtol=0, atol=1e-15)
+    torch.testing.assert_close(floored.sum(-1), torch.ones(40, dtype=torch.float64), rtol=0, atol=1e-14)
+    spec = DistillSpec(temperature=1.0, end_ids=END_IDS)
+    floored_loss = per_token_loss_dense(zs, zt, spec=spec)
+    plain_loss = per_token_loss_dense(zs, zt, spec=replace(spec, end_ids=()))
+    torch.testing.assert_close(floored_loss[~lower], plain_loss[~lower], rtol=0, atol=1e-15)
+    assert (floored_loss[lower] < plain_loss[lower]).all()  # the teacher moved towards the student
+
+
+def test_a_student_sure_of_ending_keeps_the_floored_loss_finite():
+    """A student whose end mass rounds to 1 (float32) leaves the other entries a finite log-probability."""
+    zs = torch.full((2, 10), -50.0)
+    zs[:, 3] = 50.0
+    zt = torch.zeros(2, 10)
+    head = torch.eye(10)
+    h = zs.clone().requires_grad_()
+    spec = DistillSpec(end_ids=(3,))
+    loss, _ = fused_linear_distill(h, head, zt, head, None, None, spec)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(h.grad).all()
 
 
 def test_entry_clip_counter_example():

@@ -263,7 +263,7 @@ class EvalCommandConfig(BaseModel):
     device: DeviceSetting = "auto"  # auto | cpu | cuda | cuda:N (opsd.devices)
     k: int = Field(1, ge=1)  # samples per problem (Avg@k, pass@k)
     # opsd.grading.GRADERS: math-verify on the last \\boxed{}, or on its own extraction from the response
-    grader: Literal["math", "lenient"] = "math"
+    grader: Literal["math", "lenient", "last_number", "answer_is"] = "math"  # opsd.grading.GRADERS
     out: str | None = None  # output dir; None: runs/eval-<data>-<time>
     model: EvalModelConfig
     data: EvalDataConfig
@@ -340,7 +340,11 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--data", help="data.path: JSONL/JSON/Parquet/CSV file or save_to_disk dir")
     p.add_argument("--k", type=int, help="k: samples per problem (Avg@k, pass@k); default 1")
-    p.add_argument("--grader", help="grader: math (default; math-verify on the last \\boxed{}) or lenient")
+    p.add_argument(
+        "--grader",
+        help="grader: math (default; math-verify on the last \\boxed{}), lenient, last_number (the response's "
+        "last number) or answer_is (the number after the last \"The answer is\"), as eval.grader in training",
+    )
     p.add_argument("--temperature", type=float, help="rollout.temperature (default 0.6; 0 = greedy)")
     p.add_argument("--top-p", type=float, help="rollout.top_p (default 0.95)")
     p.add_argument("--max-new-tokens", type=int, help="rollout.max_new_tokens (default 1024)")

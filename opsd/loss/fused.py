@@ -24,6 +24,8 @@ float64 oracle"):
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -82,6 +84,25 @@ def _entropies(
     p = log_p.exp() if p is None else p
     stats.entropy_student = -torch.linalg.vecdot(s, log_s).sum()  # on the device: no sync
     stats.entropy_teacher = -torch.linalg.vecdot(p, log_p).sum()
+
+
+def _floor_end(log_s: Tensor, log_p: Tensor, end_ids: tuple[int, ...]) -> None:
+    """:func:`opsd.loss.reference.floor_end` in log space, in place on ``log_p``: each end entry the
+    larger of the two, the others gaining ``log(1 - m_f) - log(1 - m_p)`` (``m_p`` the teacher's end
+    mass, ``m_f`` the floored one). ``m_f`` is held below ``1 - eps`` (the end entries scaled down to
+    it) so that the others keep a finite log-probability, and rows whose teacher already ends with
+    probability ``1 - eps`` are left as they are: a student that sure of ending has nothing to lose."""
+    ends = torch.tensor(end_ids, device=log_p.device)
+    end_p = log_p.index_select(-1, ends)
+    end_f = torch.maximum(log_s.index_select(-1, ends), end_p)
+    near_one = math.log1p(-torch.finfo(log_p.dtype).eps)
+    m_p = end_p.logsumexp(-1)
+    m_raw = end_f.logsumexp(-1)
+    m_f = m_raw.clamp_max(near_one)
+    change = (m_raw > m_p) & (m_p < near_one)
+    rest = torch.where(change, torch.log(-torch.expm1(m_f)) - torch.log(-torch.expm1(m_p)), 0.0)
+    log_p.add_(rest[:, None])
+    log_p[:, ends] = torch.where(change[:, None], end_f + (m_f - m_raw)[:, None], end_p)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +205,8 @@ def _divergence_chunk(
     sampled tokens ``y`` are read only to fill ``lp`` (:func:`_log_probs`).
     """
     log_s, log_p, idx, stats = _log_probs(a, b, spec, with_stats, y, lp)
+    if spec.end_ids:
+        _floor_end(log_s, log_p, spec.end_ids)
     beta, entry = spec.beta, spec.clip_mode == "entry"
     s = log_s.exp()
     p = log_p.exp() if beta != 1.0 else None

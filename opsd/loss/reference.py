@@ -106,8 +106,31 @@ def per_token_loss_dense(
     return DENSE[spec.mode](a, b, targets, spec)
 
 
+def floor_end(log_s: Tensor, log_p: Tensor, end_ids: tuple[int, ...]) -> Tensor:
+    """The teacher's log-probabilities with each end token's probability raised to the student's where
+    it is lower, every other entry scaled by one factor so that it stays a distribution
+    (``loss.end_token=floor``).
+
+    Why: a teacher that reads the solution and sees the student's answer is wrong would rather go on
+    and correct it; the student, without the solution, can only learn that as not stopping. With the
+    floor the loss never pushes an end logit of the student down (its gradient is <= 0 on every token
+    for every beta and every clip but entry, tests/test_loss.py); where the teacher would end more, it
+    still pulls. The student's probabilities are a constant of the target: no gradient flows through
+    them. Written in probabilities; the kernel's, in log space: :func:`opsd.loss.fused._floor_end`.
+    """
+    if not end_ids:
+        return log_p
+    ends = list(end_ids)
+    s, p = log_s.detach().exp(), log_p.exp()
+    end = torch.maximum(s[:, ends], p[:, ends])
+    floored = p * ((1 - end.sum(-1)) / (1 - p[:, ends].sum(-1)))[:, None]
+    floored[:, ends] = end
+    return floored.log()
+
+
 def _dense_divergence(a: Tensor, b: Tensor, targets: Tensor | None, spec: DistillSpec) -> Tensor:
-    log_s, log_p = a.log_softmax(-1), b.log_softmax(-1)
+    log_s = a.log_softmax(-1)
+    log_p = floor_end(log_s, b.log_softmax(-1), spec.end_ids)
     return clip_rows(pointwise(log_s, log_p, spec.beta), spec.clip_mode, spec.clip)
 
 

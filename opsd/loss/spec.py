@@ -41,6 +41,9 @@ class DistillSpec:
     clip: float = 0.0
     topk: int = 0
     reduction: str = "token"
+    # loss.end_token=floor: the end tokens whose total teacher probability is raised to the student's own
+    # where it is lower (:func:`opsd.loss.reference.floor_end`); empty: the teacher as it is.
+    end_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -61,6 +64,10 @@ class DistillSpec:
             raise UserError("mode=sampled needs clip_mode=none (there is no per-entry divergence)")
         if self.mode == "topk" and self.topk < 1:
             raise UserError(f"mode=topk needs topk >= 1, got {self.topk}")
+        if self.end_ids and self.mode != "jsd":
+            raise UserError(
+                f"loss.end_token=floor needs loss.mode=jsd (the full distributions), got mode={self.mode!r}"
+            )
         if self.reduction not in REDUCTIONS:
             raise UserError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
 
@@ -79,7 +86,8 @@ class DistillSpec:
             keeps = "keeps descent on every token"
         else:
             keeps = "does not keep descent: a clipped entry's logit can be pushed away from the teacher"
-        return f"{what[self.mode]} at T={self.temperature}, {clip} ({keeps})"
+        floor = ", the teacher's end-token mass floored at the student's" if self.end_ids else ""
+        return f"{what[self.mode]} at T={self.temperature}, {clip}{floor} ({keeps})"
 
     def check_vocab(self, vocab_size: int) -> None:
         """The one check that needs the vocabulary size: top-k cannot exceed it."""
