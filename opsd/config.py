@@ -398,7 +398,9 @@ class LossConfig(_Section):
         except UserError as e:
             raise ValueError(str(e)) from None
         if self.end_token == "floor" and self.mode != "jsd":
-            raise ValueError(f"end_token=floor needs mode=jsd (the full distributions), got mode={self.mode!r}")
+            raise ValueError(
+                f"end_token=floor needs mode=jsd (the full distributions), got mode={self.mode!r}"
+            )
         return self
 
     def to_spec(self, rollout_temperature: float) -> DistillSpec:

@@ -132,8 +132,9 @@ def test_gradcheck_chunked(kw):
 
     if kw.get("end_ids"):
         pytest.skip(
-            "the floor holds the student's end mass as a constant of the target (no gradient through it): "
-            "its gradient is the dense oracle's, whose detach says so (test_chunked_gradients_match_dense_autograd)"
+            "the floor holds the student's end probabilities as constants of the target (no gradient "
+            "through them): its gradient is the dense oracle's, whose detach says so "
+            "(test_chunked_gradients_match_dense_autograd)"
         )
     if kw["clip_mode"] == "scale":
         # scale's gradient is c_n dD_n with c_n = min(1, clip / D_n) a constant of the step: the gradient

@@ -342,8 +342,9 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, help="k: samples per problem (Avg@k, pass@k); default 1")
     p.add_argument(
         "--grader",
-        help="grader: math (default; math-verify on the last \\boxed{}), lenient, last_number (the response's "
-        "last number) or answer_is (the number after the last \"The answer is\"), as eval.grader in training",
+        help="grader: math (default; math-verify on the last \\boxed{}), lenient, last_number (the "
+        'response\'s last number) or answer_is (the number after the last "The answer is"), as eval.grader '
+        "in training",
     )
     p.add_argument("--temperature", type=float, help="rollout.temperature (default 0.6; 0 = greedy)")
     p.add_argument("--top-p", type=float, help="rollout.top_p (default 0.95)")
