@@ -35,7 +35,6 @@ from opsd.compare import ceiling_context, paired_interval
 from opsd.errors import UserError
 
 BATCH = 8  # sequences a probe forward takes at once
-OVERLAP_K = 16  # the top-k of the overlap mass (arXiv 2604.13016: successful OPD keeps 97-99% there)
 MIN_TEACHER_STOPS = 0.5  # below this share of ceiling answers ending on their own, the teacher rambles
 MAX_SAMPLE_TRUNCATION = 0.5  # above this share of rollouts cut at the limit, the teacher scores noise
 
@@ -187,7 +186,7 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
     import torch
 
     from opsd.data import PromptBuilder
-    from opsd.loss import per_token_loss_dense
+    from opsd.loss import per_token_loss_dense, topk_overlap_mass
     from opsd.rollout.base import _stop_ids
 
     raw_spec = replace(spec, clip_mode="none", clip=0.0)
@@ -205,10 +204,7 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
         sums["divergence"] += raw.sum().item()
         sums["differs"] += (zs.argmax(-1) != zt.argmax(-1)).sum().item()
         a, b = zs / spec.temperature, zt / spec.temperature
-        p = b.softmax(-1)
-        top_s = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, a.topk(OVERLAP_K, -1).indices, True)
-        top_t = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, b.topk(OVERLAP_K, -1).indices, True)
-        sums["overlap"] += (p * (top_s & top_t)).sum().item()
+        sums["overlap"] += topk_overlap_mass(a, b.log_softmax(-1)).sum().item()
         removed, away = _clip_effect(zs, zt, raw, spec, raw_spec)
         sums["removed"] += removed
         sums["away"] += away
@@ -432,6 +428,8 @@ def _check_slice(cfg) -> None:
 
 def format_probe(p: dict) -> str:
     """The probe as a short table and its verdict."""
+    from opsd.loss.overlap import OVERLAP_K
+
     named = [
         ("student, greedy", "student"),
         (f"student, sampled at T={p['settings']['rollout_temperature']}", "sampled"),
