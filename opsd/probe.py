@@ -291,16 +291,11 @@ def _reference_end(trainer, examples) -> dict:
     }
 
 
-def run_probe(
-    config: Path | None, overrides: list[str], out: Path, limit: int, progress: bool = True
-) -> dict:
-    """Every measurement of the module docstring on the first ``limit`` held-out problems; writes
-    ``out/probe.json`` (the trainer's scratch run directory is ``out/run``)."""
+def _probe_config(config: Path | None, overrides: list[str], out: Path, limit: int, progress: bool):
+    """The run's config with the probe's own settings: the ceiling's context, a scratch run directory,
+    the first ``limit`` held-out rows (with their solutions), no evaluation or checkpoint of its own."""
     from opsd.config import load_config
-    from opsd.rollout import SamplingParams
-    from opsd.trainer import Trainer
 
-    t0 = time.time()
     cfg = load_config(config, overrides)
     if not cfg.eval.path:
         raise UserError("opsd probe needs eval.path: held-out problems with answers and solutions")
@@ -317,7 +312,39 @@ def run_probe(
         f"logging.progress={str(progress).lower()}",
         "teacher.solution_source=own",
     ]
-    cfg = load_config(config, probe_overrides)
+    return load_config(config, probe_overrides)
+
+
+def _sampled(trainer, examples) -> tuple[list, Answers]:
+    """One response a problem sampled as rollouts are (``rollout.*``), graded; the engine then sleeps."""
+    from opsd.rollout import SamplingParams
+
+    cfg = trainer.cfg
+    prompts = [trainer.eval_prompts(i, ex)[0] for i, ex in enumerate(examples)]
+    params = SamplingParams.from_rollout(cfg.rollout, seed=cfg.seed)
+    completions = trainer.engine.generate(prompts, 1, params)
+    texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    grades = [trainer.eval_grader(t, examples[c.prompt_index].answer) for t, c in zip(texts, completions)]
+    correct = [g.correct for g in grades]
+    sampled = Answers(
+        sum(correct) / len(correct),
+        sum(c.finish_reason == "length" for c in completions) / len(completions),
+        sum(len(c.token_ids) for c in completions) / len(completions),
+        correct,
+    )
+    trainer.engine.sleep()
+    return completions, sampled
+
+
+def run_probe(
+    config: Path | None, overrides: list[str], out: Path, limit: int, progress: bool = True
+) -> dict:
+    """Every measurement of the module docstring on the first ``limit`` held-out problems; writes
+    ``out/probe.json`` (the trainer's scratch run directory is ``out/run``)."""
+    from opsd.trainer import Trainer
+
+    t0 = time.time()
+    cfg = _probe_config(config, overrides, out, limit, progress)
     _check_slice(cfg)  # before anything loads
     phases: dict[str, float] = {}
     clock = _Clock(phases)
@@ -333,22 +360,10 @@ def run_probe(
         clock.mark("student")
         ceilings = {s: _ceiling(trainer, examples, s) for s in ("own", "other", "wrong_answer")}
         clock.mark("ceilings")
-        prompts = [trainer.eval_prompts(i, ex)[0] for i, ex in enumerate(examples)]
-        params = SamplingParams.from_rollout(r, seed=cfg.seed)
-        completions = trainer.engine.generate(prompts, 1, params)
-        texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-        grades = [trainer.eval_grader(t, examples[c.prompt_index].answer) for t, c in zip(texts, completions)]
-        correct = [g.correct for g in grades]
-        sampled = Answers(
-            sum(correct) / len(correct),
-            sum(c.finish_reason == "length" for c in completions) / len(completions),
-            sum(len(c.token_ids) for c in completions) / len(completions),
-            correct,
-        )
-        trainer.engine.sleep()
+        completions, sampled = _sampled(trainer, examples)
         clock.mark("sampled")
         _say(progress, "probe: scoring the sampled responses with the teacher")
-        tokens = _token_stats(trainer, examples, completions, correct, trainer.spec)
+        tokens = _token_stats(trainer, examples, completions, sampled.correct, trainer.spec)
         clock.mark("token_stats")
         reference_end = _reference_end(trainer, examples)
         clock.mark("reference_end")
