@@ -1,0 +1,154 @@
+"""Every method on every seed: the comparison itself, resumable, and its compare.json, compare.md
+and compare.png."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from opsd.compare.methods import _arm_config, ceiling_context, run_sft_method, run_trainer_method
+from opsd.compare.plan import (
+    MARKER,
+    METHODS,
+    NOTES,
+    Budget,
+    GRPOSettings,
+    Variant,
+    claim_dir,
+    default_grpo,
+    distill_coefficient,
+    method_overrides,
+)
+from opsd.compare.records import MethodRun, _read_run, _say
+from opsd.compare.report import format_table, plot_compare
+from opsd.compare.tuning import read_tuned
+from opsd.errors import UserError
+
+
+def run_compare(
+    config: Path | None,
+    overrides: list[str] | Callable[[int], list[str]],
+    out: Path,
+    *,
+    methods: list[str],
+    seeds: list[int],
+    steps: int | None = None,
+    eval_every: int | None = None,
+    grpo_n: int = 8,
+    grpo_lr: float | None = None,
+    sft_lr: float | None = None,
+    distill_coef: float | None = None,
+    progress: bool = True,
+    ceiling: bool = False,
+    variants: list[Variant] = (),
+) -> dict:
+    """Every method on every seed into ``out``; writes compare.json, compare.md and compare.png.
+
+    ``variants``: more methods, each a method of :data:`METHODS` with some keys changed (:class:`Variant`),
+    named in ``methods`` like the others.
+
+    ``ceiling``: also evaluate the base model once with each held-out problem's solution in its
+    prompt (:func:`teacher_ceiling`, into ``OUT/ceiling.json``) before the first method trains.
+
+    ``overrides``: dotted overrides on ``config``, or a function of the seed giving them (the demo's
+    data and base model differ per seed). ``grpo_lr``: GRPO's learning rate when not tuned (default
+    the config's)."""
+    per_seed = overrides if callable(overrides) else (lambda seed: overrides)
+    cfg = _arm_config(config, per_seed(seeds[0]), [])
+    named = {v.name: v for v in variants}
+    _check_methods(cfg, methods, named)
+    steps = steps or cfg.optim.max_steps
+    budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, eval_every or max(1, steps // 4))
+    out = Path(out)
+    claim_dir(out)
+    grpo, grpo_source, mixed, mixed_source = _grpo_settings(cfg, out, budget, grpo_n, grpo_lr)
+    coef = distill_coefficient(cfg, distill_coef)
+    sft_lr = sft_lr or cfg.optim.lr
+    _say(True, budget.describe())
+    _say(True, f"GRPO settings {asdict(grpo)}, {grpo_source}")
+    _say(True, f"mixed settings {asdict(mixed)}, {mixed_source}; with grpo.distill_coef={coef}")
+    for m in methods:
+        if m in NOTES:
+            _say(True, f"{METHODS[m]}: {NOTES[m]}")
+    runs: list[MethodRun] = []
+    ceiling_path = out / "ceiling.json"
+    context = ceiling_context(cfg) if ceiling else []
+    for seed in seeds:
+        base = None
+        overrides = [*per_seed(seed), *context]
+        for method in methods:
+            run_dir = out / f"seed{seed}" / method
+            done = run_dir / "compare_method.json"
+            want = ceiling_path if ceiling and not ceiling_path.is_file() else None
+            kind, keys = (
+                (named[method].method, list(named[method].overrides)) if method in named else (method, [])
+            )
+            if done.is_file():  # finished earlier: read back, not rerun
+                run = _read_run(done)
+            elif kind == "sft":
+                over = [*overrides, *keys]
+                run = run_sft_method(seed, config, over, run_dir, budget, sft_lr, base, progress, want)
+                run.method = method
+            else:
+                extra = [*method_overrides(kind, grpo, coef, budget, mixed), *keys]
+                run = run_trainer_method(
+                    method, seed, config, overrides, extra, run_dir, budget, base, progress, want
+                )
+            done.write_text(json.dumps(asdict(run), indent=2))
+            base = base or run.points[0]  # every method of a seed starts from one base evaluation
+            runs.append(run)
+    result = {
+        "budget": asdict(budget),
+        "grpo": asdict(grpo),
+        "grpo_source": grpo_source,
+        "mixed": asdict(mixed),
+        "mixed_source": mixed_source,
+        "distill_coef": coef,
+        "lr": {"opsd": cfg.optim.lr, "sft": sft_lr, "grpo": grpo.lr, "mixed": mixed.lr},
+        "methods": methods,
+        "variants": {v.name: {"method": v.method, "overrides": list(v.overrides)} for v in variants},
+        "seeds": seeds,
+        "runs": [asdict(r) for r in runs],
+        "ceiling": json.loads(ceiling_path.read_text()) if ceiling_path.is_file() else None,
+    }
+    return _write_report(out, result)
+
+
+def _check_methods(cfg, methods: list[str], named: dict[str, Variant]) -> None:
+    """A comparison needs a held-out set, and every method named must be known before any trains."""
+    if not cfg.eval.path:
+        raise UserError(
+            "opsd compare needs eval.path: a held-out file with answers, the same for every method"
+        )
+    unknown = [m for m in methods if m not in METHODS and m not in named]
+    if unknown:
+        raise UserError(f"--methods: unknown {unknown}; choose from {list(METHODS)} or a --variant's name")
+
+
+def _grpo_settings(
+    cfg, out: Path, budget: Budget, grpo_n: int, grpo_lr: float | None
+) -> tuple[GRPOSettings, str, GRPOSettings, str]:
+    """GRPO's and GRPO + distillation's settings with where each came from: `--tune`'s choice in
+    ``out`` when there is one, else the config's (GRPO's, for mixed)."""
+    grpo, grpo_source = read_tuned(out, "grpo", budget)
+    if grpo is None:
+        grpo = default_grpo(cfg, budget, min(grpo_n, budget.responses_per_step))
+        grpo = replace(grpo, lr=grpo_lr or grpo.lr)
+        grpo_source = "from the config (run `opsd compare --tune grpo` to choose them)"
+    mixed, mixed_source = read_tuned(out, "mixed", budget)
+    if mixed is None:
+        mixed = grpo
+        mixed_source = "GRPO's (run `opsd compare --tune mixed` to choose its own)"
+    return grpo, grpo_source, mixed, mixed_source
+
+
+def _write_report(out: Path, result: dict) -> dict:
+    """compare.json (the marker, now holding the result), compare.md and compare.png; prints the table."""
+    (out / MARKER).write_text(json.dumps(result, indent=2))
+    table = format_table(result)
+    (out / "compare.md").write_text(table + "\n")
+    result["plot"] = str(plot_compare(out / "compare.png", result))
+    print(table)
+    return result
