@@ -58,10 +58,31 @@ def cpu_has_bf16_units() -> tuple[bool, str]:
             raise UserError(f"{CPU_BF16_ENV}={forced!r}: expected 0 (no bf16 units) or 1 (bf16 units)")
         on = forced.strip() == "1"
         return on, f"{CPU_BF16_ENV}={forced.strip()} overrides the CPU probe"
+    capped = _isa_cap()
+    if capped:
+        return False, f"{capped} keeps the kernels below the CPU's bf16 instructions (bf16 would be emulated)"
     flags = _cpu_flags()
     if "amx_bf16" in flags or "avx512_bf16" in flags:
         return True, "CPU with AMX/AVX512-BF16 matrix units"
     return False, "CPU without bf16 matrix units (bf16 would be emulated, many times slower)"
+
+
+# oneDNN ISA caps that still reach its bf16 instructions (AVX512-BF16, AMX, AVX10); any other cap keeps
+# the kernels on AVX2 or plain AVX512, where bf16 products are emulated.
+_BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10")
+
+
+def _isa_cap() -> str | None:
+    """The environment setting that caps torch's or oneDNN's kernels below bf16 instructions, if any:
+    ``ATEN_CPU_CAPABILITY=avx2`` or ``ONEDNN_MAX_CPU_ISA=AVX2`` (how an AVX2-only machine is reproduced
+    on a newer one) make a CPU with bf16 units compute as one without."""
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if aten in ("default", "avx2"):
+        return f"ATEN_CPU_CAPABILITY={aten}"
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if isa and not isa.startswith(_BF16_ISAS):
+        return f"ONEDNN_MAX_CPU_ISA={isa}"
+    return None
 
 
 def _cpu_flags() -> str:

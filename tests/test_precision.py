@@ -43,9 +43,34 @@ def test_auto_follows_the_cpu_probe_both_ways(cpu_bf16):
 )
 def test_cpu_probe_reads_the_flags(monkeypatch, flags, has):
     monkeypatch.delenv("OPSD_CPU_BF16")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(precision, "_cpu_flags", lambda: flags)
     assert precision.cpu_has_bf16_units()[0] is has
     assert precision.compute_dtype("auto", CPU)[0] == (BF16 if has else FP32)
+
+
+@pytest.mark.parametrize(
+    ("env", "has"),
+    [
+        ({"ATEN_CPU_CAPABILITY": "avx2"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}, False),
+        ({"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, True),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, True),
+    ],
+)
+def test_an_isa_cap_below_bf16_counts_as_no_bf16_units(monkeypatch, env, has):
+    """How an AVX2-only machine is reproduced on a newer one: its kernels then emulate bf16 products."""
+    monkeypatch.delenv("OPSD_CPU_BF16")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(precision, "_cpu_flags", lambda: "fpu avx512f amx_bf16 amx_tile")
+    ok, why = precision.cpu_has_bf16_units()
+    assert ok is has
+    assert has or next(iter(env)) in why
 
 
 @pytest.mark.parametrize(
