@@ -1,32 +1,44 @@
 """What a training run is built from, in the order the code needs it.
 
-:func:`prepare_model` applies every model transform in one ordered function (dtype, gradient
-checkpointing, LoRA, the teacher's frozen copy, parallelism, the CPU plan, compile), the way
-torchtitan's ``parallelize`` does; :func:`load_data` reads the training and held-out rows;
-:func:`fsdp_param_dtype` and :func:`microbatch_tokens` size what the trainer runs. ``opsd.trainer``
-calls them from ``Trainer.setup``, top to bottom.
+:func:`build` makes every part a :class:`opsd.trainer.Trainer` runs (a :class:`RunParts`), top to
+bottom; the Trainer only runs them. :func:`prepare_model` applies every model transform in one
+ordered function (dtype, gradient checkpointing, LoRA, the teacher's frozen copy, parallelism, the
+CPU plan, compile), the way torchtitan's ``parallelize`` does; :func:`load_data` reads the training
+and held-out rows; :func:`fsdp_param_dtype` and :func:`microbatch_tokens` size what the trainer runs.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from opsd import cpu, distributed, models, parallel, precision
-from opsd.config import Config
-from opsd.data import DataCursor, Example, load_examples
+from opsd import checkpoint, cpu, distributed, models, parallel, precision
+from opsd.anchor import SFTAnchor
+from opsd.config import Config, resolve_engine
+from opsd.data import DataCursor, Example, PromptBuilder, load_examples
 from opsd.data.controls import apply_solution_source
 from opsd.data.sources import take_rows
+from opsd.devices import check_compiler, resolve_device
 from opsd.errors import UserError
+from opsd.grading import as_grade, resolve_grader
+from opsd.loss import DistillSpec, LossStats
 from opsd.metrics import MetricsWriter
+from opsd.microbatch import forward_backward
+from opsd.objectives import Objective, Scores, floor_end_tokens, make_distillation, make_objective
 from opsd.optim import make_optimizer
+from opsd.rollout.base import RolloutEngine, _stop_ids
 from opsd.rollout.make import make_engine
-from opsd.rundir import record_config
+from opsd.rollout.queue import RolloutQueue
+from opsd.rundir import GracefulStop, prepare_run_dir, record_config
 from opsd.teacher import Teacher
 
 
@@ -273,3 +285,240 @@ def open_run(
         config=cfg.model_dump(mode="json"),
         after_step=after_step,
     )
+
+
+# --- the run, built --------------------------------------------------------------------------------
+
+
+@dataclass
+class ObjectiveLoss:
+    """An objective's loss on one micro-batch with the student's full head and the loss products' dtype:
+    the ``loss_fn`` the micro-batch loop calls (the training objective, or the held-out divergence)."""
+
+    objective: Objective
+    model: nn.Module
+    matmul_dtype: torch.dtype | None
+
+    def __call__(self, s_hidden: Tensor, t_hidden, t_head, mb, scores: Scores) -> tuple[Tensor, LossStats]:
+        head = parallel.full_head_weight(self.model)
+        return self.objective.loss(
+            s_hidden, t_hidden, t_head, mb, scores, head=head, matmul_dtype=self.matmul_dtype
+        )
+
+
+@dataclass
+class MicroBatchLoop:
+    """The step's micro-batch loop (:func:`opsd.microbatch.forward_backward`) as built for this run: its
+    model, the teacher where the objective reads one, the loss and the forwards' autocast, inside the
+    CPU plan's :meth:`~opsd.cpu.CpuPlan.around_microbatches`."""
+
+    model: nn.Module
+    teacher: Teacher | None
+    loss: ObjectiveLoss
+    autocast: Callable[[], AbstractContextManager]
+    plan: cpu.CpuPlan
+
+    def __call__(
+        self, batches: list, scores: Scores | None = None, *, timer=None, backward: bool = True
+    ) -> tuple[Tensor, LossStats]:
+        with self.plan.around_microbatches():
+            return forward_backward(
+                self.model,
+                self.teacher,
+                batches,
+                self.loss,
+                scores=scores or Scores(),
+                autocast=self.autocast,
+                timer=timer,
+                backward=backward,
+            )
+
+
+@dataclass
+class Loaded:
+    """:func:`load_run`'s parts: the rows, the tokenizer, the prompt builders and the SFT anchor."""
+
+    data: Data
+    tokenizer: Any
+    prompts: PromptBuilder
+    eval_prompts: PromptBuilder
+    pad_id: int
+    anchor: SFTAnchor | None
+
+
+@dataclass
+class RunParts:
+    """Everything a :class:`~opsd.trainer.Trainer` runs, made by :func:`build` in the order the parts
+    need each other."""
+
+    dist: distributed.Dist
+    precision: precision.Precision
+    plan: cpu.CpuPlan
+    engine_kind: str
+    objective: Objective
+    divergence_objective: Objective
+    spec: DistillSpec
+    loaded: Loaded
+    model: nn.Module
+    teacher: Teacher
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    engine: RolloutEngine
+    queue: RolloutQueue
+    mb_tokens: int
+    autocast: Callable[[], AbstractContextManager]
+    forward_backward: MicroBatchLoop
+    divergence_loss: ObjectiveLoss
+    eval_grader: Callable[[str, str | None], Any]
+    skip_end: bool
+    check_lp: bool
+    stop: GracefulStop
+
+
+def build(
+    cfg: Config, dist: distributed.Dist | None = None, *, resume: bool = False, overwrite: bool = False
+) -> RunParts:
+    """The run's parts, in the order they need each other; a failure on any rank ends every rank.
+    ``dist``: this process's place among torchrun's ranks; without it one process on ``cfg.device``."""
+    dist = dist or distributed.Dist(device=distributed.use_device(resolve_device(cfg.device)))
+    prec = _precision(cfg, dist)
+    # rollout.engine resolved once (auto: vLLM where installed); every part below takes the kind.
+    kind, chosen = resolve_engine(cfg.rollout.engine)
+    # The CPU plan (empty on a GPU), then what is trained for: distillation, GRPO, both, or RLSD.
+    sharded, compiled = dist.mesh is not None, cfg.model.compile
+    plan = cpu.resolve_plan(
+        cfg.cpu, dist.device, prec.compute, engine=kind, sharded=sharded, compiled=compiled
+    )
+    chunk = cfg.loss.chunk_size or plan.loss_chunk_rows
+    objective = make_objective(cfg, chunk, plan.loss_slab_elements)
+    # eval.divergence measures the distillation loss, whatever objective trains.
+    divergence = make_distillation(cfg, chunk, plan.loss_slab_elements)
+    spec = cfg.loss.to_spec(cfg.rollout.temperature)
+    # Run directory, data and tokenizer; then the model and its teacher, every transform in order.
+    loaded = distributed.run_setup(partial(load_run, cfg, dist, objective, resume, overwrite), "setup")
+    # Without a teacher term the teacher runs only for eval.divergence: the initial policy where it
+    # costs nothing (LoRA, adapter off), the live one otherwise (no second copy of the weights).
+    no_term = "fixed" if cfg.model.lora.enabled else "live"
+    mode = cfg.teacher.mode if objective.uses_teacher else no_term
+    vocab = loaded.tokenizer.get_vocab()
+    model, teacher, plan = prepare_model(cfg, dist, prec, plan, teacher_mode=mode, vocab=vocab)
+    if cfg.loss.end_token == "floor":  # the end tokens are known once the tokenizer and model are
+        ends = tuple(_stop_ids(loaded.tokenizer, model, []))
+        objective = floor_end_tokens(objective, ends)
+        spec = replace(spec, end_ids=ends)
+    if dist.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
+        torch.manual_seed(distributed.rank_seed(cfg.seed, dist.rank))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = make_optimizer_for(cfg, params)
+    started = partial(make_rollout_engine, cfg, kind, model, loaded.tokenizer, prec, dist, plan)
+    engine = distributed.run_setup(started, "rollout engine start")
+    engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it)
+    mb_tokens, why = microbatch_tokens(cfg, model, params, prec, dist.device, beside_vllm=kind == "vllm")
+    if dist.rank == 0:
+        print(f"rollout engine: {kind} ({chosen})", file=sys.stderr)
+        print(f"precision: {prec.describe()}", file=sys.stderr)
+        if objective.uses_teacher:
+            print(f"loss: {spec.describe()}", file=sys.stderr)
+        print(f"cpu plan: {plan.describe()}", file=sys.stderr)
+        print(f"micro-batches: up to {mb_tokens} padded tokens ({why})", file=sys.stderr)
+    d = loaded.data
+    autocast = make_autocast(cfg, prec, dist, model)
+    loss_mm = precision.loss_matmul_dtype(prec, dist.device) if cfg.loss.products == "auto" else None
+    loop = MicroBatchLoop(
+        model,
+        teacher if objective.uses_teacher else None,
+        ObjectiveLoss(objective, model, loss_mm),
+        autocast,
+        plan,
+    )
+    grader = resolve_grader(cfg.eval.grader, "eval.grader")
+    return RunParts(
+        dist=dist,
+        precision=prec,
+        plan=plan,
+        engine_kind=kind,
+        objective=objective,
+        divergence_objective=divergence,
+        spec=spec,
+        loaded=loaded,
+        model=model,
+        teacher=teacher,
+        params=params,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        engine=engine,
+        queue=RolloutQueue(cfg, engine, d.cursor, loaded.prompts, d.examples, dist, plan=plan),
+        mb_tokens=mb_tokens,
+        autocast=autocast,
+        forward_backward=loop,
+        divergence_loss=ObjectiveLoss(divergence, model, loss_mm),
+        eval_grader=partial(_graded, grader),
+        skip_end=cfg.loss.end_token == "skip" and cfg.objective == "opsd",
+        check_lp=cfg.rollout.checks_logprobs(kind),
+        stop=GracefulStop(),
+    )
+
+
+def _precision(cfg: Config, dist: distributed.Dist) -> precision.Precision:
+    """The start of a run: one seed on every rank (LoRA's initial weights must agree before sharding),
+    ``model.compile`` refused where it cannot run before anything loads, and the precision:
+    ``model.dtype`` the compute dtype, full fine-tuning in bf16 keeping float32 masters."""
+    m = cfg.model
+    torch.manual_seed(cfg.seed)
+    if m.compile:
+        if dist.mesh is not None:
+            raise UserError("model.compile=true runs in one process, not under torchrun: set it false")
+        check_compiler(dist.device)
+    return precision.resolve(m.dtype, dist.device, full_finetune=not m.lora.enabled, pure_bf16=m.pure_bf16)
+
+
+def _graded(grader: Callable, response: str, gold: str | None) -> Any:
+    """``eval.grader``'s verdict on one held-out response, as a grade."""
+    return as_grade(grader(response, gold))
+
+
+def load_run(
+    cfg: Config, dist: distributed.Dist, objective: Objective, resume: bool, overwrite: bool
+) -> Loaded:
+    """The run directory (rank 0 prepares it), the rows, the tokenizer and the prompt builders."""
+    run_dir = Path(cfg.logging.run_dir)
+    if dist.rank == 0:
+        has_checkpoint = checkpoint.latest_checkpoint(run_dir) is not None
+        prepare_run_dir(run_dir, resume=resume, overwrite=overwrite, has_checkpoint=has_checkpoint)
+        checkpoint.clean_partial(run_dir)
+    privileged = cfg.teacher.privileged and (objective.uses_teacher or cfg.loss.sft_coef > 0)
+    needs = objective.needs_answers
+    data = load_data(cfg, privileged=privileged, needs_answers=needs, rank=dist.rank, world=dist.world_size)
+    tokenizer = models.load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    prompts = PromptBuilder.from_config(tokenizer, cfg.data, privileged=cfg.teacher.privileged)
+    eval_prompts = PromptBuilder.from_config(tokenizer, cfg.data, privileged=True)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    coef, limit = cfg.loss.sft_coef, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    anchor = SFTAnchor(coef, tokenizer, data.examples, cfg.data, limit) if coef > 0 else None
+    return Loaded(data, tokenizer, prompts, eval_prompts, pad_id, anchor)
+
+
+def make_autocast(
+    cfg: Config, prec: precision.Precision, dist: distributed.Dist, model: nn.Module
+) -> Callable[[], AbstractContextManager]:
+    """The forwards' context: bf16 compute over float32 master weights in one process, and LoRA's
+    float32 adapters computing in bf16 over a bf16 base; around the model forwards only, never the
+    loss. Under torchrun FSDP2's mixed-precision policy casts instead (:func:`fsdp_param_dtype`)."""
+    if dist.mesh is not None:
+        return nullcontext
+    adapters = model if cfg.model.lora.enabled else None
+    return partial(precision.autocast, prec, dist.device, adapters)
+
+
+def open_metrics(cfg: Config, parts: RunParts, *, resume: bool, after_step: int) -> MetricsWriter | None:
+    """Rank 0 records the config, the CPU plan and the data report and opens the metrics sinks (after
+    a resume, past ``after_step``); the other ranks get None. A failure on any rank ends every rank."""
+
+    def opened() -> MetricsWriter | None:
+        if parts.dist.rank:
+            return None
+        report = parts.loaded.data.report
+        return open_run(cfg, Path(cfg.logging.run_dir), report, parts.plan, resume, after_step)
+
+    return distributed.run_setup(opened, "run directory setup")

@@ -1,49 +1,36 @@
 """The OPSD trainer. ``Trainer.step`` is the whole algorithm, top to bottom: draw problems -> student
 rollouts -> splice responses after both prompts -> per micro-batch: teacher hidden states (no grad) ->
 student hidden states -> chunked fused-linear loss -> backward -> clip -> AdamW -> schedule -> teacher
-update / weight sync. ``Trainer.setup`` builds the parts in order (:mod:`opsd.setup`).
+update / weight sync. :func:`opsd.setup.build` makes the parts it runs; the Trainer runs them: the
+loop, the step, evaluation and checkpoints.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
-from contextlib import nullcontext
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from opsd import checkpoint, cpu, distributed, metrics, models, precision, setup
-from opsd.anchor import SFTAnchor
-from opsd.config import Config, resolve_engine
-from opsd.cpu.heap import reuse_freed_blocks, trim_heap
-from opsd.data import PromptBuilder, make_microbatches, make_sample
-from opsd.data.batching import MicroBatch, loss_tokens, pad_microbatches
-from opsd.devices import check_compiler, resolve_device
-from opsd.distributed import all_reduce_sum
-from opsd.errors import TrainingError, UserError
+from opsd import checkpoint, distributed, metrics, setup
+from opsd.config import Config
+from opsd.data.batching import MicroBatch, loss_tokens, make_microbatches, make_sample, pad_microbatches
+from opsd.errors import EngineError, TrainingError
 from opsd.eval.heldout import heldout_accuracy, heldout_divergence
-from opsd.grading import as_grade, resolve_grader
 from opsd.guard import Guard
-from opsd.loss import LossStats
-from opsd.microbatch import forward_backward
-from opsd.objectives import Objective, Scores, floor_end_tokens, make_distillation, make_objective
-from opsd.parallel import clip_grad_norm, full_head_weight
-from opsd.rollout import EngineError
-from opsd.rollout.base import _stop_ids
-from opsd.rollout.queue import RolloutQueue
-from opsd.rundir import GracefulStop, prepare_run_dir
+from opsd.parallel import clip_grad_norm
 
 StepOutputs = metrics.StepOutputs
 
-__all__ = ["StepOutputs", "Trainer", "TrainingError", "forward_backward"]
+__all__ = ["StepOutputs", "Trainer", "TrainingError"]
 
 
 class Trainer:
-    """Builds everything from a :class:`Config` (:meth:`setup`), then ``train()``.
+    """Runs the parts :func:`opsd.setup.build` makes from a :class:`Config` (or the ``parts`` given):
+    ``train()``, ``step()``, ``evaluate()`` and checkpoints.
 
     ``resume=True`` continues the latest checkpoint in ``logging.run_dir`` exactly; ``overwrite=True``
     deletes an existing run directory first; without either, an existing run directory is refused.
@@ -58,111 +45,36 @@ class Trainer:
         resume: bool = False,
         overwrite: bool = False,
         dist: distributed.Dist | None = None,
+        parts: setup.RunParts | None = None,
     ) -> None:
         self.cfg = cfg
-        self.dist = dist or distributed.Dist(device=distributed.use_device(resolve_device(cfg.device)))
-        self.rank = self.dist.rank
-        self.world = self.dist.world_size
-        self.device = self.dist.device
         self.run_dir = Path(cfg.logging.run_dir)
         self.step_num = 0
         self.bad_steps = 0
-        self.stop = GracefulStop()
         self.progress_desc = "opsd train"  # the progress bar's label (opsd compare: method and seed)
-        self.setup(resume, overwrite)
-
-    def setup(self, resume: bool, overwrite: bool) -> None:
-        """The parts, in the order they need each other; a failure on any rank ends every rank."""
-        cfg = self.cfg
-        sharded = self.dist.mesh is not None
-        # The same seed on every rank: LoRA's initial weights must agree before sharding.
-        torch.manual_seed(cfg.seed)
-        if cfg.model.compile:  # refused before anything loads
-            if sharded:
-                raise UserError("model.compile=true runs in one process, not under torchrun: set it false")
-            check_compiler(self.device)
-        # Precision: model.dtype is the compute dtype; full fine-tuning in bf16 keeps float32 masters.
-        m = cfg.model
-        self.precision = precision.resolve(
-            m.dtype, self.device, full_finetune=not m.lora.enabled, pure_bf16=m.pure_bf16
-        )
-        # rollout.engine resolved once (auto: vLLM where installed); every part below takes the kind.
-        kind, chosen = resolve_engine(cfg.rollout.engine)
-        self.engine_kind = kind
-        dtype = self.precision.compute
-        # The CPU plan (empty on a GPU), then what is trained for: distillation, GRPO, both, or RLSD.
-        plan = cpu.resolve_plan(cfg.cpu, self.device, dtype, engine=kind, sharded=sharded, compiled=m.compile)
-        chunk = cfg.loss.chunk_size or plan.loss_chunk_rows
-        self.objective = make_objective(cfg, chunk, plan.loss_slab_elements)
-        # eval.divergence measures the distillation loss, whatever objective trains.
-        self.divergence_objective = make_distillation(cfg, chunk, plan.loss_slab_elements)
-        grader = resolve_grader(cfg.eval.grader, "eval.grader")
-        self.eval_grader = lambda response, gold: as_grade(grader(response, gold))
-        self.spec = cfg.loss.to_spec(cfg.rollout.temperature)
-        self.skip_end = cfg.loss.end_token == "skip" and cfg.objective == "opsd"
-        self.check_lp = cfg.rollout.checks_logprobs(kind)
-        products = precision.loss_matmul_dtype(self.precision, self.device)
-        self.loss_mm = products if cfg.loss.products == "auto" else None
-        # Run directory, data and tokenizer; then the model and its teacher, every transform in order.
-        distributed.run_setup(lambda: self._load(resume, overwrite), "setup")
-        # Without a teacher term the teacher runs only for eval.divergence: the initial policy where it
-        # costs nothing (LoRA, adapter off), the live one otherwise (no second copy of the weights).
-        no_term = "fixed" if m.lora.enabled else "live"
-        teacher_mode = cfg.teacher.mode if self.objective.uses_teacher else no_term
-        self.model, self.teacher, self.plan = setup.prepare_model(
-            cfg, self.dist, self.precision, plan, teacher_mode=teacher_mode, vocab=self.tokenizer.get_vocab()
-        )
-        if cfg.loss.end_token == "floor":  # the end tokens are known once the tokenizer and model are
-            ends = tuple(_stop_ids(self.tokenizer, self.model, []))
-            self.objective = floor_end_tokens(self.objective, ends)
-            self.spec = replace(self.spec, end_ids=ends)
-        if self.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
-            torch.manual_seed(distributed.rank_seed(cfg.seed, self.rank))
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = setup.make_optimizer_for(cfg, self.params)
-        parts = (cfg, kind, self.model, self.tokenizer, self.precision, self.dist, self.plan)
-        self.engine = distributed.run_setup(lambda: setup.make_rollout_engine(*parts), "rollout engine start")
-        self.engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it)
-        self.mb_tokens, why = setup.microbatch_tokens(
-            cfg, self.model, self.params, self.precision, self.device, beside_vllm=kind == "vllm"
-        )
-        drawn = (self.cursor, self.prompts, self.examples)
-        self.queue = RolloutQueue(cfg, self.engine, *drawn, self.dist, trim_heap=self.plan.trim_heap)
-        if self.rank == 0:
-            print(f"rollout engine: {kind} ({chosen})", file=sys.stderr)
-            print(f"precision: {self.precision.describe()}", file=sys.stderr)
-            if self.objective.uses_teacher:
-                print(f"loss: {self.spec.describe()}", file=sys.stderr)
-            print(f"cpu plan: {self.plan.describe()}", file=sys.stderr)
-            print(f"micro-batches: up to {self.mb_tokens} padded tokens ({why})", file=sys.stderr)
+        parts = parts or setup.build(cfg, dist, resume=resume, overwrite=overwrite)
+        # Where this rank runs, in which precision, under which CPU plan, with which engine.
+        self.dist = parts.dist
+        self.rank, self.world, self.device = parts.dist.rank, parts.dist.world_size, parts.dist.device
+        self.precision, self.plan, self.engine_kind = parts.precision, parts.plan, parts.engine_kind
+        # What is trained for, and how the held-out answers are graded.
+        self.objective, self.divergence_objective = parts.objective, parts.divergence_objective
+        self.spec, self.skip_end, self.check_lp = parts.spec, parts.skip_end, parts.check_lp
+        self.eval_grader = parts.eval_grader
+        # The rows, the tokenizer, both prompts and the SFT anchor.
+        data, loaded = parts.loaded.data, parts.loaded
+        self.examples, self.cursor, self.eval_examples = data.examples, data.cursor, data.eval_examples
+        self.tokenizer, self.pad_id, self.anchor = loaded.tokenizer, loaded.pad_id, loaded.anchor
+        self.prompts, self.eval_prompts = loaded.prompts, loaded.eval_prompts
+        # The model, its teacher and optimizer, the engine and its queue, the micro-batch loop.
+        self.model, self.teacher, self.params = parts.model, parts.teacher, parts.params
+        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
+        self.engine, self.queue, self.mb_tokens = parts.engine, parts.queue, parts.mb_tokens
+        self.autocast, self.forward_backward = parts.autocast, parts.forward_backward
+        self.divergence_loss, self.stop = parts.divergence_loss, parts.stop
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
-        # Rank 0 records the config, the CPU plan and the data report and opens the metrics sinks.
-        opened = lambda: setup.open_run(cfg, self.run_dir, self.data_report, self.plan, resume, self.step_num)  # noqa: E731
-        self.metrics = distributed.run_setup(
-            lambda: opened() if self.rank == 0 else None, "run directory setup"
-        )
-
-    def _load(self, resume: bool, overwrite: bool) -> None:
-        """The run directory, the rows and the tokenizer (a failure on any rank ends every rank)."""
-        cfg = self.cfg
-        if self.rank == 0:
-            has_checkpoint = checkpoint.latest_checkpoint(self.run_dir) is not None
-            prepare_run_dir(self.run_dir, resume=resume, overwrite=overwrite, has_checkpoint=has_checkpoint)
-            checkpoint.clean_partial(self.run_dir)
-        privileged = cfg.teacher.privileged and (self.objective.uses_teacher or cfg.loss.sft_coef > 0)
-        needs = self.objective.needs_answers
-        data = setup.load_data(
-            cfg, privileged=privileged, needs_answers=needs, rank=self.rank, world=self.world
-        )
-        self.examples, self.cursor, self.eval_examples = data.examples, data.cursor, data.eval_examples
-        self.data_report = data.report
-        self.tokenizer = models.load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-        self.prompts = PromptBuilder.from_config(self.tokenizer, cfg.data, privileged=cfg.teacher.privileged)
-        self.eval_prompts = PromptBuilder.from_config(self.tokenizer, cfg.data, privileged=True)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        coef, limit = cfg.loss.sft_coef, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-        self.anchor = SFTAnchor(coef, self.tokenizer, self.examples, cfg.data, limit) if coef > 0 else None
+        self.metrics = setup.open_metrics(cfg, parts, resume=resume, after_step=self.step_num)
 
     # ------------------------------------------------------------------------------------------
     # The step
@@ -208,7 +120,8 @@ class Trainer:
         skip_end = self.skip_end if skip_end is None else skip_end
         lens = [loss_tokens(s, skip_end) for s in samples]
         read = sum(n > 0 for n in lens)
-        tokens, seqs = all_reduce_sum(torch.tensor([sum(lens), read], dtype=torch.float64)).tolist()
+        counted = torch.tensor([sum(lens), read], dtype=torch.float64)
+        tokens, seqs = distributed.all_reduce_sum(counted).tolist()
         counts = dict(reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs)
         counts["skip_end"] = skip_end
         plan = dict(device=self.device, bucket=self.plan.bucket_widths, pack_from=self.plan.pack_from)
@@ -216,45 +129,17 @@ class Trainer:
         batches = make_microbatches(samples, pad_id=self.pad_id, **budget, **counts, **plan)
         return pad_microbatches(batches, self.pad_id, self.device)
 
-    def forward_backward(
-        self, batches: list, scores: Scores | None = None, *, timer=None, backward: bool = True
-    ) -> tuple[Tensor, LossStats]:
-        """This trainer's micro-batch loop (:func:`opsd.microbatch.forward_backward`) with its model,
-        teacher, objective and mixed precision; with the CPU plan's ``tune_malloc``, inside glibc
-        settings that reuse the blocks it frees (:func:`opsd.cpu.heap.reuse_freed_blocks`)."""
-        plan = self.plan
-        tuned = reuse_freed_blocks(keep_pages=plan.keep_pages) if plan.tune_malloc else nullcontext()
-        teacher = self.teacher if self.objective.uses_teacher else None
-        parts = (self.model, teacher, batches, self.loss)
-        with tuned:
-            return forward_backward(
-                *parts, scores=scores or Scores(), autocast=self.autocast, timer=timer, backward=backward
-            )
-
-    def loss(self, s_hidden, t_hidden, t_head, mb, scores: Scores, *, objective: Objective | None = None):
-        """The objective's loss on one micro-batch (or ``objective``'s: the held-out divergence), with
-        this model's head and loss precision."""
-        objective = objective or self.objective
-        head = full_head_weight(self.model)
-        return objective.loss(s_hidden, t_hidden, t_head, mb, scores, head=head, matmul_dtype=self.loss_mm)
-
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def autocast(self):
-        """bf16 compute over float32 master weights in one process, and LoRA's float32 adapters
-        computing in bf16 over a bf16 base; around the model forwards only, never the loss. Under
-        torchrun FSDP2's mixed-precision policy casts instead (:func:`opsd.setup.fsdp_param_dtype`)."""
-        if self.dist.mesh is not None:
-            return nullcontext()
-        adapters = self.model if self.cfg.model.lora.enabled else None
-        return precision.autocast(self.precision, self.device, adapters)
 
     def rollout(self, prompts: list[list[int]], *, n: int | None = None, step: int | None = None) -> list:
         """``rollout.n`` (or ``n``) responses per prompt, seeded by step (this one, or ``step``) and rank."""
         return self.queue.generate(prompts, n=n, step=self.step_num if step is None else step)
 
-    pending = property(lambda self: self.queue.pending, doc="The next step's rollouts, in flight.")
+    @property
+    def pending(self):
+        """The next step's rollouts, in flight (``rollout.overlap``)."""
+        return self.queue.pending
 
     def optimizer_step(self, loss_sum: Tensor) -> tuple[Tensor, Tensor, bool]:
         """Clip and step. FSDP summed the gradients over ranks (the loss weights are normalized by global
@@ -262,7 +147,7 @@ class Trainer:
         skips the update but still consumes the batch and advances the LR schedule (same data order and
         schedule)."""
         grad_norm = clip_grad_norm(self.params, self.cfg.optim.grad_clip or float("inf"))
-        loss_sum = all_reduce_sum(loss_sum)
+        loss_sum = distributed.all_reduce_sum(loss_sum)
         finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))
         if finite:
             self.optimizer.step()
@@ -311,8 +196,7 @@ class Trainer:
             with self.stop:
                 while self.step_num < end:
                     out = self.step()
-                    if self.plan.trim_heap:  # the heap's holes back to the OS: RSS does not creep
-                        trim_heap()
+                    self.plan.after_step()
                     rec = self.record(out)
                     if cfg.eval.every and self.step_num % cfg.eval.every == 0:
                         rec.update(self.evaluate())
@@ -355,15 +239,24 @@ class Trainer:
         periodic = c.every and self.step_num % c.every == 0
         return c.enabled and bool(periodic or self.step_num == end or self.stop.requested)
 
-    stopped = property(
-        lambda self: self.stop.requested is not None, doc="The last ``train()`` ended on a signal."
-    )
+    @property
+    def stopped(self) -> bool:
+        """Whether the last ``train()`` ended on a signal."""
+        return self.stop.requested is not None
 
     def evaluate(self) -> dict:
         """Held-out accuracy of the live model (no privileged information) and, with ``eval.divergence``,
         the held-out divergence, sharded over ranks."""
-        parts = (self.model, self.tokenizer, self.eval_examples, self.cfg, self.engine, self.eval_grader)
-        out = heldout_accuracy(*parts, self.rank, self.world).metrics(prefix="eval/")
+        out = heldout_accuracy(
+            self.model,
+            self.tokenizer,
+            self.eval_examples,
+            self.cfg,
+            self.engine,
+            self.eval_grader,
+            self.rank,
+            self.world,
+        ).metrics(prefix="eval/")
         if self.cfg.eval.divergence:
             out["eval/divergence"] = self.heldout_divergence()["divergence"]
         return out
@@ -371,18 +264,18 @@ class Trainer:
     def heldout_divergence(self) -> dict:
         """The distillation loss's statistics on the held-out problems (:mod:`opsd.eval.heldout`): one
         response each from a seed stream no training step uses, the same at every evaluation."""
-        generate = partial(self.rollout, n=1, step=-1)
-        loss = partial(self.loss, objective=self.divergence_objective)
-        parts = (
+        return heldout_divergence(
             self.model,
             self.teacher,
             self.eval_examples,
             self.eval_prompts,
-            generate,
+            partial(self.rollout, n=1, step=-1),
             self.microbatches,
-            loss,
+            self.divergence_loss,
+            autocast=self.autocast,
+            rank=self.rank,
+            world=self.world,
         )
-        return heldout_divergence(*parts, autocast=self.autocast, rank=self.rank, world=self.world)
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints
@@ -394,7 +287,11 @@ class Trainer:
         shared |= {"scheduler": self.scheduler.state_dict(), "cursor": self.cursor.state_dict()}
         mine = {"truncated": self.prompts.state_dict(), "pending": self.queue.state_dict()}
         return checkpoint.save_checkpoint(
-            *(self.run_dir, self.step_num, self.model, self.tokenizer, shared),
+            self.run_dir,
+            self.step_num,
+            self.model,
+            self.tokenizer,
+            shared,
             optimizer=self.optimizer,
             rank_state=mine,
             tensors=self.teacher.tensors(),

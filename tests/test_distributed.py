@@ -105,11 +105,11 @@ def _loss(sh, sw, th, tw, weights, targets):
 
 
 def _accumulate(model, teacher, mbs: list) -> None:
-    """The trainer's micro-batch loop (opsd.trainer.forward_backward) with the fixed teacher: LoRA's base
+    """The trainer's micro-batch loop (opsd.microbatch.forward_backward) with the fixed teacher: LoRA's base
     with the adapter off (``teacher`` None), or the given frozen network."""
     from opsd.loss import LossStats
+    from opsd.microbatch import forward_backward
     from opsd.teacher import Teacher
-    from opsd.trainer import forward_backward
 
     fixed = (
         Teacher("fixed", model, lora=True)

@@ -332,15 +332,15 @@ def test_the_trainer_uses_bf16_loss_products_on_bf16_units(assets, tmp_path, mon
             **{"model.dtype": "bfloat16", "optim.max_steps": 1, "rollout.max_new_tokens": 4},
         )
     )
-    assert tr.loss_mm == BF16
+    assert tr.forward_backward.loss.matmul_dtype == BF16
     seen = {}
     real = tr.forward_backward
 
     def spy(batches, adv=None, **kw):
         seen["bf16"] = float(real(batches, adv, backward=False)[0])
-        tr.loss_mm = None
+        real.loss.matmul_dtype = None
         seen["fp32"] = float(real(batches, adv, backward=False)[0])
-        tr.loss_mm = BF16
+        real.loss.matmul_dtype = BF16
         return real(batches, adv, **kw)
 
     tr.forward_backward = spy
@@ -449,6 +449,7 @@ def test_loss_products_float32_keeps_the_loss_products_in_float32(assets, tmp_pa
     them float32 whatever the hardware."""
     monkeypatch.setenv("OPSD_CPU_BF16", "1")
     over = {"model.dtype": "bfloat16", "checkpoint.enabled": "false"}
-    assert Trainer(make_cfg(assets, tmp_path / "auto", **over)).loss_mm == torch.bfloat16
+    auto = Trainer(make_cfg(assets, tmp_path / "auto", **over))
+    assert auto.forward_backward.loss.matmul_dtype == torch.bfloat16
     plain = Trainer(make_cfg(assets, tmp_path / "f32", **over, **{"loss.products": "float32"}))
-    assert plain.loss_mm is None
+    assert plain.forward_backward.loss.matmul_dtype is None

@@ -389,6 +389,7 @@ def test_rollout_engine_auto_is_resolved_once_and_named_on_the_startup_line(
     on it: the engine built, the CPU plan, the log-prob check, the startup line."""
     import importlib.util
 
+    import opsd.setup as setup_mod
     from opsd.config import resolve_engine
     from opsd.rollout import HFEngine
 
@@ -397,7 +398,7 @@ def test_rollout_engine_auto_is_resolved_once_and_named_on_the_startup_line(
         importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
     )
     resolved = []
-    monkeypatch.setattr(trainer_mod, "resolve_engine", lambda s: resolved.append(s) or resolve_engine(s))
+    monkeypatch.setattr(setup_mod, "resolve_engine", lambda s: resolved.append(s) or resolve_engine(s))
     tr = Trainer(make_cfg(assets, tmp_path / "r", **{"rollout.engine": "auto", "optim.max_steps": 1}))
     assert resolved == ["auto"]
     assert tr.engine_kind == "hf" and isinstance(tr.engine, HFEngine)
@@ -528,7 +529,8 @@ def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, t
     reuses it) and once after the step, and with ``cpu.tune_malloc`` runs the micro-batch loop, and only
     it, with freed blocks reused: the order of calls, not a memory figure, is what this can check.
     ``cpu.tuning: off`` does none of it."""
-    from opsd.rollout import queue as rollout_queue
+    from opsd import setup
+    from opsd.cpu import heap
 
     calls = []
 
@@ -538,17 +540,16 @@ def test_cpu_step_returns_the_heap_after_generation_and_after_the_step(assets, t
         yield True
         calls.append("reuse ends")
 
-    monkeypatch.setattr(trainer_mod, "trim_heap", lambda: calls.append("trim"))
-    monkeypatch.setattr(rollout_queue, "trim_heap", lambda: calls.append("trim"))
-    monkeypatch.setattr(trainer_mod, "reuse_freed_blocks", reuse)
-    monkeypatch.setattr("opsd.cpu.heap.glibc", lambda: object())  # as on glibc, whatever this machine is
-    real_loop = trainer_mod.forward_backward
+    monkeypatch.setattr(heap, "trim_heap", lambda: calls.append("trim"))
+    monkeypatch.setattr(heap, "reuse_freed_blocks", reuse)
+    monkeypatch.setattr(heap, "glibc", lambda: object())  # as on glibc, whatever this machine is
+    real_loop = setup.forward_backward
 
     def spy(*a, **kw):
         calls.append("micro-batches")
         return real_loop(*a, **kw)
 
-    monkeypatch.setattr(trainer_mod, "forward_backward", spy)
+    monkeypatch.setattr(setup, "forward_backward", spy)
     over = {"optim.max_steps": 2, "cpu.tune_malloc": True, "cpu.tuning": tuning}
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
     tr.train()

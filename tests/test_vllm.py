@@ -279,20 +279,18 @@ def test_three_training_steps_with_vllm(assets, tmp_path, capsys, monkeypatch):
         "data.max_prompt_len=64",
         "model.dtype=float32",
     ]
-    import opsd.rollout.queue as queue_mod
-    import opsd.trainer as trainer_mod
+    from opsd.cpu import heap
 
     trims = []
-    monkeypatch.setattr(trainer_mod, "trim_heap", lambda: trims.append(1))
-    monkeypatch.setattr(queue_mod, "trim_heap", lambda: trims.append(1))
+    monkeypatch.setattr(heap, "trim_heap", lambda: trims.append(1))
     kept = []
-    real_reuse = trainer_mod.reuse_freed_blocks
+    real_reuse = heap.reuse_freed_blocks
 
     def reuse(keep_pages):
         kept.append(keep_pages)
         return real_reuse(keep_pages=keep_pages)
 
-    monkeypatch.setattr(trainer_mod, "reuse_freed_blocks", reuse)
+    monkeypatch.setattr(heap, "reuse_freed_blocks", reuse)
     trainer = Trainer(load_config(str(config), args))
     assert isinstance(trainer.engine, VLLMEngine)
     budget = [x for x in capsys.readouterr().err.splitlines() if x.startswith("micro-batches:")]

@@ -2,15 +2,19 @@
 
 :func:`resolve_plan` turns the ``cpu`` config section, the device, the compute dtype, the engine and
 the parallelism into a :class:`CpuPlan`; the trainer prints it at start (``cpu plan: ...``), saves it
-in the run directory (``cpu_plan.json``) and hands each part to the code it tunes. On a GPU the plan
-is empty; ``cpu.tuning: off`` makes it empty on a CPU too (the plain path: transformers + peft + the
-fused loss). docs/cpu.md has one row per mechanism: what it does, its gate, its switch, its effect.
+in the run directory (``cpu_plan.json``) and reaches its mechanisms through the plan's hooks, each
+called from one place: :meth:`CpuPlan.around_microbatches` (the trainer's micro-batch loop),
+:meth:`CpuPlan.after_generation` (the rollout queue), :meth:`CpuPlan.after_step` (the training loop)
+and :meth:`CpuPlan.engine_settings` (the rollout engines). On a GPU the plan is empty;
+``cpu.tuning: off`` makes it empty on a CPU too (the plain path: transformers + peft + the fused loss).
+docs/cpu.md has one row per mechanism: what it does, its gate, its switch, its effect.
 
 Light on purpose (no torch at module level): the test configuration imports :mod:`opsd.cpu.openmp`.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +78,32 @@ class CpuPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"notes": list(self.notes)}
+
+    # -- hooks: the one door through which code outside this package reaches a CPU mechanism --
+
+    def around_microbatches(self) -> AbstractContextManager:
+        """The micro-batch loop's context: with ``tune_malloc``, glibc settings under which a block one
+        micro-batch frees is the next one's, already resident (:func:`opsd.cpu.heap.reuse_freed_blocks`)."""
+        from opsd.cpu import heap
+
+        if not self.tune_malloc:
+            return nullcontext()
+        return heap.reuse_freed_blocks(keep_pages=self.keep_pages)
+
+    def after_generation(self) -> None:
+        """Generation's freed buffers (its cache, the folded LoRA copies) back to the OS before the
+        micro-batch loop: left as heap holes, they raise that loop's peak RSS."""
+        self._trim()
+
+    def after_step(self) -> None:
+        """The step's heap holes back to the OS, so the RSS does not creep step after step."""
+        self._trim()
+
+    def _trim(self) -> None:
+        from opsd.cpu import heap
+
+        if self.trim_heap:
+            heap.trim_heap()
 
 
 def resolve_plan(

@@ -12,7 +12,8 @@ VLLMServerEngine (``opsd.rollout.server``) sends the rollouts over HTTP to `vllm
 ``opsd.rollout.queue`` decides what each step trains on.
 """
 
-from opsd.rollout.base import Completion, EngineError, RolloutEngine, SamplingParams
+from opsd.errors import EngineError
+from opsd.rollout.base import Completion, RolloutEngine, SamplingParams
 from opsd.rollout.hf import HFEngine
 from opsd.rollout.vllm import (
     VLLM_VERSION,

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from opsd.errors import TrainingError
-
 
 @dataclass
 class SamplingParams:
@@ -54,11 +52,6 @@ class Completion:
     # top-p), same length as token_ids; None when the engine does not report them.
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
-
-
-class EngineError(TrainingError):
-    """A rollout engine outside this process failed mid-run (a server down, timing out or answering
-    with an error); the trainer names the last good checkpoint to resume from."""
 
 
 @runtime_checkable

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from opsd import distributed
-from opsd.cpu.heap import trim_heap
-from opsd.rollout.base import Completion, EngineError, RolloutEngine, SamplingParams
+from opsd.cpu import CpuPlan
+from opsd.errors import EngineError
+from opsd.rollout.base import Completion, RolloutEngine, SamplingParams
 
 
 @dataclass
@@ -28,8 +29,8 @@ class Pending:
 
 class RolloutQueue:
     """Draws each step's problems from ``cursor``, builds their prompt pairs with ``prompts`` and asks
-    ``engine`` for ``rollout.n`` responses each, seeded by step and rank (``dist``); ``trim_heap``: the
-    CPU plan's (generation's freed buffers back to the OS before the micro-batch loop)."""
+    ``engine`` for ``rollout.n`` responses each, seeded by step and rank (``dist``); ``plan``: the CPU
+    plan, whose :meth:`~opsd.cpu.CpuPlan.after_generation` runs once each generation is over."""
 
     def __init__(
         self,
@@ -40,7 +41,7 @@ class RolloutQueue:
         examples: list,
         dist: distributed.Dist,
         *,
-        trim_heap: bool = False,
+        plan: CpuPlan | None = None,
     ) -> None:
         self.cfg = cfg.rollout
         self.engine = engine
@@ -51,7 +52,7 @@ class RolloutQueue:
         self.seed = cfg.seed
         self.rank = dist.rank
         self.max_steps = cfg.optim.max_steps
-        self.trim_heap = trim_heap
+        self.plan = plan or CpuPlan()
         self.pending: Pending | None = None  # rollout.overlap: the next step's rollouts, in flight
 
     def next(self, step: int, timer) -> tuple[list[int], list, list[Completion], float]:
@@ -112,10 +113,7 @@ class RolloutQueue:
         self.engine.wake()
         completions = self.engine.generate(prompts, n or self.cfg.n, self.sampling(step))
         self.engine.sleep()
-        # Generation's freed buffers (its cache, the folded LoRA copies) back to the OS before the
-        # micro-batch loop: left as heap holes, they raise that loop's peak RSS.
-        if self.trim_heap:
-            trim_heap()
+        self.plan.after_generation()
         return completions
 
     def sampling(self, step: int) -> SamplingParams:

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from opsd.distributed import first_error, rank_world
-from opsd.errors import UserError
-from opsd.rollout.base import Completion, EngineError, SamplingParams, _check_prompts, _stop_ids
+from opsd.errors import EngineError, UserError
+from opsd.rollout.base import Completion, SamplingParams, _check_prompts, _stop_ids
 
 PROBE_TOKENS = 8
 PROBE_SIGMAS = 6.0  # the probe's tolerance in units of the rounding model's sigma (probe_tolerance)
