@@ -10,6 +10,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Hashable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -115,15 +116,21 @@ def step_record(
     return rec
 
 
-def repetition(token_ids: list[int], n: int = REPETITION_N) -> float | None:
-    """The share of a response's n-grams (of token ids) that repeat an earlier one: 1 - distinct
-    n-grams / all n-grams. 0: no n-gram occurs twice; near 1: the response loops on one phrase. None for
-    a response shorter than ``n`` tokens (no n-gram to count)."""
-    total = len(token_ids) - n + 1
+def repetition(units: Sequence[Hashable], n: int = REPETITION_N) -> float | None:
+    """The share of a response's n-grams that repeat an earlier one: 1 - distinct n-grams / all
+    n-grams. 0: no n-gram occurs twice; near 1: the response loops on one phrase. ``units``: its token
+    ids (training) or its words (`opsd compare`, which reads every engine's and tokenizer's text alike).
+    None for a response shorter than ``n`` units (no n-gram to count)."""
+    total = len(units) - n + 1
     if total < 1:
         return None
-    distinct = len({tuple(token_ids[i : i + n]) for i in range(total)})
+    distinct = len({tuple(units[i : i + n]) for i in range(total)})
     return 1.0 - distinct / total
+
+
+def mean(xs: Sequence[float]) -> float | None:
+    """The mean, or None for no values: a report shows "-" rather than dividing by zero."""
+    return sum(xs) / len(xs) if xs else None
 
 
 def reduce_over_ranks(

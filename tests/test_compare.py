@@ -116,13 +116,16 @@ def test_teacher_tokens_count_where_a_teacher_scores(assets, tmp_path):
     assert result["ceiling"]["problems"] == 2 and result["ceiling"]["lenient"] is None
 
 
-def test_wilson_interval_and_repetition_rate():
+def test_wilson_interval_and_word_repetition():
     lo, hi = compare.wilson(0.5, 200)
     assert lo == pytest.approx(0.4314, abs=1e-3) and hi == pytest.approx(0.5686, abs=1e-3)
     assert compare.wilson(0.0, 200)[0] == 0.0 and 0 < compare.wilson(0.0, 200)[1] < 0.02
-    assert compare.repetition_rate("a b c d e f") == 0.0
-    assert compare.repetition_rate("x y z w " * 10) == pytest.approx(1 - 4 / 37)
-    assert compare.repetition_rate("too short") == 0.0
+    # the repetition column: training's metric (opsd.metrics.repetition) over the response's words
+    from opsd.metrics import repetition
+
+    assert repetition("a b c d e f".split()) == 0.0
+    assert repetition(("x y z w " * 10).split()) == pytest.approx(1 - 4 / 37)
+    assert repetition("too short".split()) is None
 
 
 def _result(methods: list[str], *, steps: int, runs: list[dict], ceiling: dict, variants=None) -> dict:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from demo_small import SMALL, small_demo_settings
 
 from opsd.cli import main
 from opsd.data import load_examples
@@ -448,11 +449,6 @@ def test_compare_table_and_token_efficiency():
     assert compare.tokens_to_reach([_point(0, 0.1, 0), _point(5, 0.3, 50)], 0.4) is None
 
 
-def test_compare_plot(tmp_path):
-    path = compare.plot_compare(tmp_path / "compare.png", _fake_result(seeds=(0, 1)))
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 def test_cli_compare_prints_the_table(monkeypatch, capsys, tmp_path):
     seen = {}
 
@@ -497,18 +493,7 @@ def test_compare_refuses_a_directory_it_did_not_write(tmp_path):
 
 # Tiny on purpose: the point is every arm running end to end and the outputs, not the figures.
 TINY = dict(
-    digits=2,
-    hidden=32,
-    layers=1,
-    sft_steps=20,
-    sft_batch=16,
-    n_sft=100,
-    n_train=100,
-    n_heldout=20,
-    opsd_steps=2,
-    eval_every=1,
-    prompts_per_step=8,
-    grpo_n=4,
+    SMALL, sft_steps=20, sft_batch=16, n_sft=100, n_train=100, n_heldout=20, opsd_steps=2, eval_every=1
 )
 
 
@@ -554,26 +539,17 @@ def test_compare_runs_on_the_shipped_base(tmp_path, monkeypatch):
     assert [p["step"] for p in compare.arm_runs(r, "opsd")[0]["points"]] == [0, 2]
 
 
-def test_compare_with_grpo_tuning_runs_and_records_its_choice(tmp_path):
-    """`opsd demo --compare --tune-grpo N`: the tuning runs first on its own seeds, writes its choice,
-    and the comparison's GRPO reads it back (small settings: two 1-step tuning settings' worth)."""
-    from dataclasses import replace
-
+def test_compare_with_grpo_tuning_runs_from_the_command_line(tmp_path, monkeypatch, capsys):
+    """`opsd demo --compare --seeds 0 --tune-grpo 1`, as written, on a small base: the tuning runs first
+    on its own seeds and writes its choice, the comparison's GRPO reads it back, the table prints."""
     from opsd import compare as general
 
-    s = replace(
-        base.DemoSettings(), sft_steps=5, n_sft=64, n_train=64, n_heldout=8, opsd_steps=2, eval_every=2
-    )
+    monkeypatch.setattr(demo_cli, "DemoSettings", small_demo_settings())
     out = tmp_path / "cmp"
-    result = compare.run_compare(
-        s,
-        [0],
-        out,
-        arms=("grpo",),
-        cache=tmp_path / "cache",
-        progress=False,
-        tune_steps=1,
-        tune_seeds=(1000,),
-    )
+    argv = ["--compare", "--seeds", "0", "--tune-grpo", "1", "--steps", "2", "--run-dir", str(out)]
+    assert main(["demo", *argv, "--cache", str(tmp_path / "cache")]) == 0
     assert (out / general.tune_file("grpo")).is_file()
+    result = json.loads((out / "compare_result.json").read_text())
     assert "opsd compare --tune grpo" in result["grpo_source"]
+    assert [a["arm"] for a in result["seeds"][0]["arms"]] == list(compare.ARMS)
+    assert "| OPSD |" in capsys.readouterr().out

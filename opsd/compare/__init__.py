@@ -18,10 +18,10 @@ GRPO's otherwise.
 
 The report (compare.md, :func:`format_table`): per method and for the base model, strict accuracy
 (eval.grader) with a 95% Wilson interval over the held-out problems, lenient accuracy
-(eval.lenient_grader), mean response length, truncation, repetition (:func:`repetition_rate`),
-held-out divergence and the cost of reaching its best evaluation; underneath, the teacher's ceiling
-(:func:`teacher_ceiling`). SFT's targets are the worked solutions, a GSM8K ``#### N`` ending rewritten
-as ``\\boxed{N}`` (:func:`opsd.data.controls.boxed_target`).
+(eval.lenient_grader), mean response length, truncation, repetition (:func:`opsd.metrics.repetition`
+over words), held-out divergence and the cost of reaching its best evaluation; underneath, the
+teacher's ceiling (:func:`teacher_ceiling`). SFT's targets are the worked solutions, a GSM8K
+``#### N`` ending rewritten as ``\\boxed{N}`` (:func:`opsd.data.controls.boxed_target`).
 
 The package: ``plan`` (the methods, the budget, GRPO's settings), ``methods`` (one method on one
 seed and its evaluation points), ``run`` (every method on every seed), ``tuning`` (``--tune``),
@@ -36,7 +36,6 @@ from opsd.compare.cli import (
 from opsd.compare.methods import (
     _arm_config,
     ceiling_context,
-    repetition_rate,
     run_sft_method,
     run_trainer_method,
     teacher_ceiling,
@@ -101,7 +100,6 @@ __all__ = [
     "paired_interval",
     "plot_compare",
     "read_tuned",
-    "repetition_rate",
     "run_compare",
     "run_compare_command",
     "run_sft_method",

@@ -11,6 +11,7 @@ from pathlib import Path
 from opsd.compare.plan import Budget
 from opsd.compare.records import EvalPoint, MethodRun, _point_text, _read_points, _say, _write_points
 from opsd.errors import UserError
+from opsd.metrics import mean, repetition
 
 
 def _arm_config(config: Path | None, overrides: list[str], extra: list[str]):
@@ -130,7 +131,8 @@ def _evaluate(trainer, step: int, tokens: int, seconds: float, teacher_tokens: i
         problems=res.num_problems,
         resp_len=res.resp_len_mean,
         truncated=res.truncated_frac,
-        repetition=_mean([repetition_rate(r) for it in res.items for r in it["responses"]]),
+        # the share of repeated word 4-grams, a response too short for one counting as none repeated
+        repetition=mean([repetition(r.split()) or 0.0 for it in res.items for r in it["responses"]]),
         teacher_tokens=teacher_tokens,
         correct=[sum(it["correct"]) / len(it["correct"]) for it in res.items],
     )
@@ -143,20 +145,7 @@ def _lenient(items: list[dict], name: str | None) -> float | None:
     from opsd.grading import as_grade, resolve_grader
 
     grader = resolve_grader(name, "eval.lenient_grader")
-    return _mean([float(as_grade(grader(r, it["gold"])).correct) for it in items for r in it["responses"]])
-
-
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
-def repetition_rate(text: str, n: int = 4) -> float:
-    """The share of repeated word n-grams in one response: 1 - distinct / total (0 with fewer than n
-    words). Over words, not token ids, so that every engine and tokenizer reads it alike; a response
-    looping one phrase approaches 1."""
-    words = text.split()
-    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
-    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+    return mean([float(as_grade(grader(r, it["gold"])).correct) for it in items for r in it["responses"]])
 
 
 def ceiling_context(cfg) -> list[str]:

@@ -20,7 +20,7 @@ class EvalPoint:
     problems: int = 0  # held-out problems evaluated (0: not recorded)
     resp_len: float | None = None  # mean response tokens
     truncated: float | None = None  # share of responses cut at eval.max_new_tokens
-    repetition: float | None = None  # mean share of repeated word 4-grams (:func:`repetition_rate`)
+    repetition: float | None = None  # mean share of repeated word 4-grams (:func:`opsd.metrics.repetition`)
     teacher_tokens: int = 0  # response tokens the teacher scored so far; 0 for GRPO and SFT
     correct: list[float] | None = None  # per held-out problem, its share of correct samples (paired tests)
 
@@ -61,5 +61,8 @@ def _point_text(p: EvalPoint) -> str:
 
 
 def _say(progress: bool, msg: str) -> None:
+    """A progress line on stderr, above any progress bar rather than through it."""
     if progress:
-        print(msg, file=sys.stderr, flush=True)
+        from tqdm.auto import tqdm
+
+        tqdm.write(msg, file=sys.stderr)

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from opsd.compare.plan import label
+from opsd.metrics import mean
 
 
 def _runs(result: dict, method: str) -> list[dict]:
@@ -71,8 +72,9 @@ def _acc(ps: list[dict]) -> str:
 
 
 def _avg(ps: list[dict], key: str, fmt: str, scale: float = 1.0) -> str:
-    xs = [p[key] for p in ps if p.get(key) is not None]
-    return format(scale * sum(xs) / len(xs), fmt) if xs else "-"
+    """The mean of ``key`` over the points that recorded it, formatted; "-" where none did."""
+    m = mean([p[key] for p in ps if p.get(key) is not None])
+    return "-" if m is None else format(scale * m, fmt)
 
 
 def _best(points: list[dict]) -> dict:

@@ -89,7 +89,7 @@ def _run_one(args: argparse.Namespace) -> int:
     )
     r = run.run_opsd(s, run_dir, control=args.control, cache=args.cache)
     print()
-    print(run.format_table(r))
+    print(run.format_before_after(r))
     print(f"plot: {r['plot']}")
     seconds, base_seconds = r["seconds"], r["seconds_base_model"]
     print(f"run directory: {run_dir} ({seconds:.0f} s, of which base model {base_seconds:.0f} s)")

@@ -21,14 +21,10 @@ from pathlib import Path
 
 import torch
 
-from opsd.demo import task
 from opsd.demo.base import DemoSettings
-from opsd.demo.run import (
-    Prepared,
-    prepare,
-    train_overrides,
-)
+from opsd.demo.run import heldout_overrides, prepare
 from opsd.errors import UserError
+from opsd.metrics import mean
 
 # Arm -> what the table and the plot call it.
 ARMS: dict[str, str] = {
@@ -44,23 +40,6 @@ ARMS: dict[str, str] = {
 def grpo_prompts(s: DemoSettings) -> int:
     """Problems per GRPO step: as many responses a step as OPSD (prompts_per_step x 1 = this x grpo_n)."""
     return max(1, s.prompts_per_step // s.grpo_n)
-
-
-def demo_overrides(s: DemoSettings, p: Prepared, progress: bool) -> list[str]:
-    """The demo's `opsd train` configuration for one seed, with its held-out set and grader: what
-    `opsd compare` runs every method from."""
-    heldout = p.data_dir / "heldout.jsonl"
-    return [
-        *train_overrides(s, p.base, p.data_dir / "train.jsonl", p.data_dir, control=False, progress=progress),
-        "grpo.grader=opsd.demo.task:grade",
-        f"eval.path={heldout}",
-        "eval.grader=opsd.demo.task:grade",
-        "eval.k=1",
-        "eval.temperature=0",
-        f"eval.max_new_tokens={task.max_response_tokens(s.digits)}",
-        "eval.divergence=true",
-        "rollout.batch_size=512",
-    ]
 
 
 def run_compare(
@@ -104,7 +83,7 @@ def run_compare(
         if tune:
             general.run_tune(
                 None,
-                lambda seed: demo_overrides(replace(s, seed=seed), prepared[seed], progress),
+                lambda seed: heldout_overrides(replace(s, seed=seed), prepared[seed], progress),
                 out,
                 tune_seeds=list(tune_seeds),
                 reported=seeds,
@@ -114,7 +93,7 @@ def run_compare(
             )
         r = general.run_compare(
             None,
-            lambda seed: demo_overrides(replace(s, seed=seed), prepared[seed], progress),
+            lambda seed: heldout_overrides(replace(s, seed=seed), prepared[seed], progress),
             out,
             methods=list(arms),
             seeds=seeds,
@@ -157,13 +136,13 @@ def run_compare(
         "seeds": seeds_out,
         "seconds": time.time() - t0,
     }
-    result["plot"] = str(plot_compare(out / "compare.png", result))
+    result["plot"] = r["plot"]  # `opsd compare`'s compare.png
     (out / "compare_result.json").write_text(json.dumps(result, indent=2))
     return result
 
 
 # ----------------------------------------------------------------------------------------------
-# Reading a result: means over seeds, the table, the plot
+# Reading a result: means over seeds and the table
 
 
 def arm_runs(result: dict, arm: str) -> list[dict]:
@@ -184,12 +163,8 @@ def tokens_to_reach(points: list[dict], target: float) -> int | None:
 
 
 def _pct(xs: list[float]) -> str:
-    mean = f"{100 * sum(xs) / len(xs):.1f}%"
-    return mean if len(xs) == 1 else f"{mean} ({' / '.join(f'{100 * x:.1f}' for x in xs)})"
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
+    text = f"{100 * sum(xs) / len(xs):.1f}%"
+    return text if len(xs) == 1 else f"{text} ({' / '.join(f'{100 * x:.1f}' for x in xs)})"
 
 
 def format_compare_table(result: dict) -> str:
@@ -207,11 +182,11 @@ def format_compare_table(result: dict) -> str:
     for arm in arms:
         runs = arm_runs(result, arm)
         after = [r["points"][-1]["accuracy"] for r in runs]
-        gain = _mean([a - b for a, b in zip(after, before)])
+        gain = mean([a - b for a, b in zip(after, before)])
         lines.append(
             f"| {ARMS[arm]} | {_pct(after)} | {100 * gain:+.1f} | "
-            f"{_mean([r['points'][-1]['generated_tokens'] for r in runs]):,.0f} | "
-            f"{_mean([r['points'][-1]['train_seconds'] for r in runs]):.0f} s |"
+            f"{mean([r['points'][-1]['generated_tokens'] for r in runs]):,.0f} | "
+            f"{mean([r['points'][-1]['train_seconds'] for r in runs]):.0f} s |"
         )
     teacher = [sd["teacher_with_solution"] for sd in seeds]
     lines.append(f"| (ceiling) base model with the worked solution in context | {_pct(teacher)} | | | |")
@@ -239,42 +214,6 @@ def token_efficiency_lines(result: dict) -> list[str]:
             f"generated tokens; {what}."
         )
     return out
-
-
-def plot_compare(path: Path, result: dict) -> Path:
-    """compare.png: held-out accuracy against optimizer steps (above) and generated tokens (below).
-
-    SFT generates nothing: below, its final accuracy is a level across the axis, in its own colour."""
-    from opsd.report import Panel, plot_panels
-
-    arms = list(dict.fromkeys(a["arm"] for sd in result["seeds"] for a in sd["arms"]))
-    teacher = _mean([sd["teacher_with_solution"] for sd in result["seeds"]])
-    acc = {arm: [100 * a for a in mean_curve(result, arm, "accuracy")] for arm in arms}
-    tokens = {arm: mean_curve(result, arm, "generated_tokens") for arm in arms}
-    most = max(max(t) for t in tokens.values())
-    steps = result["settings"]["opsd_steps"]
-    by_tokens = {}
-    for arm in arms:  # the same order, so each method keeps its colour in both panels
-        if arm == "sft":
-            by_tokens[f"{ARMS[arm]} after {steps} steps (0 generated)"] = ([0, most], [acc[arm][-1]] * 2)
-        else:
-            by_tokens[ARMS[arm]] = (tokens[arm], acc[arm])
-    n = len(result["seeds"])
-    return plot_panels(
-        path,
-        f"opsd demo --compare: {n} seed{'s, mean' if n > 1 else ''}",
-        [
-            Panel(
-                {ARMS[arm]: (mean_curve(result, arm, "step"), acc[arm]) for arm in arms},
-                ylabel="held-out accuracy (%)",
-                xlabel="optimizer step",
-                ylim=(-2, 102),
-                hlines={"base model with the worked solution": 100 * teacher},
-            ),
-            Panel(by_tokens, ylabel="held-out accuracy (%)", xlabel="generated tokens", ylim=(-2, 102)),
-        ],
-        sharex=False,
-    )
 
 
 def gain(result: dict, arm: str) -> list[float]:

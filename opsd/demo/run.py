@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import sys
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from opsd.compare.records import _say
 from opsd.demo import task
 from opsd.demo.base import DemoSettings, build_base_model, prompt_ids
 from opsd.errors import UserError
@@ -80,13 +81,12 @@ def prepare(s: DemoSettings, cache: Path, progress: bool) -> Prepared:
         if not (data_dir / f"{name}.jsonl").is_file():
             _write_jsonl(data_dir / f"{name}.jsonl", split[name])
     heldout = split["heldout"]
-    _say(progress, f"evaluating the base model on {len(heldout)} held-out problems")
+    _say(progress, f"demo: evaluating the base model on {len(heldout)} held-out problems")
     tok, model = load_tokenizer(str(base)), load_model(str(base))
     before = heldout_accuracy(model, tok, heldout, s.digits, with_solution=False)
     teacher = heldout_accuracy(model, tok, heldout, s.digits, with_solution=True)
-    _say(
-        progress, f"student {100 * before:.1f}% (problem only), teacher {100 * teacher:.1f}% (with solution)"
-    )
+    read = f"student {100 * before:.1f}% (problem only), teacher {100 * teacher:.1f}% (with solution)"
+    _say(progress, f"demo: {read}")
     return Prepared(base, data_dir, split["train"], heldout, before, teacher, t_base)
 
 
@@ -132,53 +132,28 @@ def train_overrides(
     ]
 
 
-@dataclass
-class EvalPoint:
-    """One held-out evaluation during training, with what training had spent to get there."""
-
-    step: int
-    accuracy: float
-    generated_tokens: int  # rollout tokens sampled so far (stop tokens included); 0 for SFT
-    train_seconds: float  # training wall time so far, the evaluations excluded
-
-
-def generated_tokens(rec: dict, responses_per_step: int) -> int:
-    """Rollout tokens one step sampled: its mean response length times its number of responses."""
-    return round(rec["resp_len_mean"] * responses_per_step)
-
-
-def train_with_evals(
-    trainer: Any, tok: Any, p: Prepared, s: DemoSettings, run_dir: Path, progress: bool, label: str = "OPSD"
-) -> list[EvalPoint]:
-    """Train to ``s.opsd_steps``, scoring the held-out set every ``s.eval_every`` steps into eval.jsonl.
-
-    Any Trainer (OPSD, its controls, GRPO). Returns the evaluations, starting at step 0 with the base
-    model's accuracy.
-    """
-    points = [EvalPoint(0, p.student_before, 0, 0.0)]
-    per_step = trainer.cfg.rollout.prompts_per_step * trainer.cfg.rollout.n
-    with (run_dir / "eval.jsonl").open("w") as f:  # opsd report reads it: "accuracy" -> eval/accuracy
-        f.write(json.dumps(asdict(points[0])) + "\n")
-    tokens, seconds = 0, 0.0
-    while trainer.step_num < s.opsd_steps:
-        until = min(s.opsd_steps, trainer.step_num + s.eval_every)
-        t0 = time.time()
-        history = trainer.train(until_step=until)
-        seconds += time.time() - t0
-        if trainer.step_num < until:  # Ctrl-C / SIGTERM: the trainer saved a checkpoint and returned early
-            raise KeyboardInterrupt(f"stopped after {label} step {trainer.step_num}; checkpoint in {run_dir}")
-        tokens += sum(generated_tokens(rec, per_step) for rec in history)
-        acc = heldout_accuracy(trainer.model, tok, p.heldout, s.digits, with_solution=False)
-        points.append(EvalPoint(trainer.step_num, acc, tokens, seconds))
-        with (run_dir / "eval.jsonl").open("a") as f:
-            f.write(json.dumps(asdict(points[-1])) + "\n")
-        _say(progress, f"{label} step {trainer.step_num}: held-out accuracy {100 * acc:.1f}%")
-    return points
+def heldout_overrides(s: DemoSettings, p: Prepared, progress: bool, *, control: bool = False) -> list[str]:
+    """The demo's `opsd train` configuration for one seed with its held-out set and grader: what the
+    demo and every method of `opsd demo --compare` train and evaluate from."""
+    train = p.data_dir / "train.jsonl"
+    return [
+        *train_overrides(s, p.base, train, p.data_dir, control=control, progress=progress),
+        "grpo.grader=opsd.demo.task:grade",
+        f"eval.path={p.data_dir / 'heldout.jsonl'}",
+        "eval.grader=opsd.demo.task:grade",
+        "eval.k=1",
+        "eval.temperature=0",
+        f"eval.max_new_tokens={task.max_response_tokens(s.digits)}",
+        "eval.divergence=true",
+        "rollout.batch_size=512",
+    ]
 
 
 def _check_run_dir(run_dir: Path) -> None:
-    """Only a previous demo run is overwritten; anything else in the way is refused."""
-    if run_dir.exists() and any(run_dir.iterdir()) and not (run_dir / "demo.json").is_file():
+    """Only a previous demo run is overwritten (finished: demo.json; cut short: the evaluations its
+    loop writes first); anything else in the way is refused."""
+    ours = (run_dir / "demo.json").is_file() or (run_dir / "compare_eval.jsonl").is_file()
+    if run_dir.exists() and any(run_dir.iterdir()) and not ours:
         raise UserError(f"{run_dir} exists and is not an `opsd demo` run directory; pass another --run-dir")
 
 
@@ -211,23 +186,28 @@ def run_opsd(
 def _run_opsd(
     s: DemoSettings, run_dir: Path, *, control: bool, progress: bool, cache: Path | None, plot: bool
 ) -> dict:
-    from opsd.config import load_config
-    from opsd.models import load_tokenizer
-    from opsd.trainer import Trainer
+    """Train with `opsd compare`'s loop (:func:`opsd.compare.run_trainer_method`): the Trainer on the
+    demo's overrides, evaluated on the held-out set every ``s.eval_every`` steps. A run cut short
+    resumes from its last checkpoint; a finished one starts afresh."""
+    from opsd.checkpoint import latest_checkpoint
+    from opsd.compare import Budget, EvalPoint, run_trainer_method
 
     t0 = time.time()
     _check_run_dir(run_dir)
     p = prepare(s, Path(cache or opsd_home() / "demo"), progress)
-    overrides = train_overrides(
-        s, p.base, p.data_dir / "train.jsonl", run_dir, control=control, progress=progress
-    )
-    trainer = Trainer(load_config(None, overrides), overwrite=True)
-    try:
-        (run_dir / "demo.json").write_text(json.dumps({"settings": asdict(s), "control": control}, indent=2))
-        points = train_with_evals(trainer, load_tokenizer(str(p.base)), p, s, run_dir, progress)
-    finally:
-        trainer.close()
-    curve = [(e.step, e.accuracy) for e in points]
+    if (run_dir / "demo.json").is_file() or latest_checkpoint(run_dir) is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = [*heldout_overrides(s, p, progress, control=control), "eval.divergence=false"]
+    budget = Budget(s.opsd_steps, s.prompts_per_step, s.eval_every)
+    start = EvalPoint(0, p.student_before, 0, 0.0)  # prepare() measured it: not evaluated again
+    method = "control" if control else "opsd"
+    run = run_trainer_method(method, s.seed, None, overrides, [], run_dir, budget, start, progress)
+    (run_dir / "demo.json").write_text(json.dumps({"settings": asdict(s), "control": control}, indent=2))
+    # `opsd report` reads eval.jsonl: "accuracy" -> eval/accuracy
+    keys = ("step", "accuracy", "generated_tokens", "train_seconds")
+    evals = [{k: getattr(e, k) for k in keys} for e in run.points]
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    curve = [(e.step, e.accuracy) for e in run.points]
     before, after, teacher = p.student_before, curve[-1][1], p.teacher_with_solution
     result = {
         "seed": s.seed,
@@ -238,7 +218,7 @@ def _run_opsd(
         "gain": after - before,
         "gap_closed": (after - before) / (teacher - before) if teacher > before else float("nan"),
         "curve": curve,
-        "generated_tokens": points[-1].generated_tokens,
+        "generated_tokens": run.final.generated_tokens,
         "seconds": time.time() - t0,
         "seconds_base_model": p.seconds_base_model,
         "run_dir": str(run_dir),
@@ -249,13 +229,6 @@ def _run_opsd(
         result["plot"] = str(plot_curve(run_dir, curve, control, teacher))
     (run_dir / "demo_result.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-def _say(progress: bool, msg: str) -> None:
-    if progress:
-        from tqdm.auto import tqdm
-
-        tqdm.write(f"demo: {msg}", file=sys.stderr)
 
 
 def plot_curve(
@@ -284,7 +257,7 @@ def plot_curve(
 # `opsd demo`
 
 
-def format_table(r: dict) -> str:
+def format_before_after(r: dict) -> str:
     """The before/after table `opsd demo` prints (markdown, so it pastes into issues and docs)."""
     steps = r["settings"]["opsd_steps"]
     lines = [
