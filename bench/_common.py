@@ -100,6 +100,9 @@ def wait_for_idle(max_load: float = 0.5, timeout_s: float = 3600.0, poll_s: floa
         print(f"gave up waiting after {timeout_s:.0f} s (1-minute load average {load:.2f})", flush=True)
     else:
         print(f"1-minute load average {load:.2f} (below {max_load})", flush=True)
+    import _md  # the results section's "load before" is the load when the measuring begins
+
+    _md.LOAD_AT_START = load
     return load
 
 

@@ -44,7 +44,7 @@ from _md import write_section
 
 ROOT = _common.ROOT
 MATH = ROOT.parent / "shared" / "data" / "math_train.jsonl"
-SECTION = "opsd vs TRL SDFT"
+SECTION = "opsd vs TRL SDFT (bench/vs_trl.py)"  # one section: the latest run, its engine named inside
 SIDES = ("opsd", "trl")
 PHASES = ("rollout", "teacher", "student", "loss", "optim")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -203,7 +203,7 @@ def main() -> None:
             f">= {LOAD_LIMIT}. Rerun on an idle machine with --wait-idle (or --record-under-load)."
         )
         return
-    write_section(args.out, _section(args.opsd_engine), body)
+    write_section(args.out, SECTION, body)
     print(f"wrote {args.out}")
 
 
@@ -374,12 +374,6 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
         "like with like. TRL's rollout is `model.generate` on the unmerged LoRA model.",
     ]
     return "\n".join(lines)
-
-
-def _section(engine: str) -> str:
-    """One section per opsd engine: the HF-engine comparison and the vLLM one sit side by side."""
-    vllm = engine == "vllm" or (engine == "auto" and importlib.util.find_spec("vllm") is not None)
-    return f"{SECTION} (opsd on vLLM-CPU)" if vllm else SECTION
 
 
 def _engines(runs: list[dict]) -> str:
