@@ -746,10 +746,20 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
+        """Keys that are valid alone but not together, refused when the config loads rather than
+        minutes into a run."""
         if not self.data.path:
             raise ValueError(
                 "data.path is required: a JSONL/JSON/Parquet/CSV file, a saved dataset dir or a hub name"
             )
+        self._check_teacher()
+        self._check_objective()
+        self._check_rollout()
+        self._check_eval()
+        return self
+
+    def _check_teacher(self) -> None:
+        """The teacher needs memory for a frozen copy, and a path only when it is another model."""
         t, lora = self.teacher, self.model.lora.enabled
         if t.mode == "fixed" and not lora and t.frozen_copy == "none":
             raise ValueError(
@@ -762,6 +772,10 @@ class Config(_Section):
             raise ValueError("teacher.mode=external needs teacher.path (the teacher model)")
         if t.mode != "external" and t.path:
             raise ValueError(f"teacher.path is only used with teacher.mode=external, not {t.mode!r}")
+
+    def _check_objective(self) -> None:
+        """What each objective grades against or reads: groups, answers and reference solutions."""
+        t = self.teacher
         if self.objective in ("grpo", "rlsd"):
             if self.rollout.n < 2:
                 raise ValueError(
@@ -787,6 +801,9 @@ class Config(_Section):
                 "loss.sft_coef > 0 trains on the reference solutions: it needs data.solution_key and "
                 "teacher.privileged=true"
             )
+
+    def _check_rollout(self) -> None:
+        """The rollout horizon, overlap, servers, log-prob check and tensor parallelism fit the engine."""
         r = self.rollout
         if r.horizon is not None:
             h = r.horizon
@@ -817,8 +834,6 @@ class Config(_Section):
                 "log-probs, which need rollout.temperature > 0, top_k=0 and top_p=1 (or set grpo.tis_cap=0 "
                 "to train uncorrected)"
             )
-        if self.eval.divergence and not self.eval.path:
-            raise ValueError("eval.divergence=true needs eval.path (held-out problems with solutions)")
         if r.engine == "vllm_server" and not r.servers:
             raise ValueError("rollout.engine=vllm_server needs rollout.servers: [http://HOST:PORT, ...]")
         bad = [s for s in r.servers if not s.startswith(("http://", "https://"))]
@@ -832,13 +847,17 @@ class Config(_Section):
             )
         if r.engine == "hf" and r.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
+
+    def _check_eval(self) -> None:
+        """Held-out evaluation needs its file, and its divergence the held-out solutions."""
+        if self.eval.divergence and not self.eval.path:
+            raise ValueError("eval.divergence=true needs eval.path (held-out problems with solutions)")
         if self.eval.divergence and not self.data.solution_key:
             raise ValueError("eval.divergence=true needs data.solution_key (held-out solutions)")
         if self.eval.every and not self.eval.path:
             raise ValueError("eval.every > 0 needs eval.path (a held-out file with answers)")
         if self.guard.max_accuracy_drop is not None and not self.eval.every:
             raise ValueError("guard.max_accuracy_drop needs eval.every > 0 (held-out accuracy to compare)")
-        return self
 
 
 def _set_dotted(tree: dict, key: str, value: Any) -> None:
