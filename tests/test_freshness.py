@@ -193,6 +193,22 @@ def test_figures_the_readme_gives_as_current_are_from_todays_code():
 
 
 @pytest.mark.skipif(not history(), reason="needs the git history (not there in a tarball or shallow clone)")
+def test_an_older_figure_names_a_later_change_to_its_code():
+    """`measured at C, before D`: D comes after C and changed a file the section's script measures."""
+    found, checked = sections(RESULTS.read_text()), 0
+    for anchor, row in readme_rows((ROOT / "README.md").read_text()):
+        said = re.search(r"measured at ([0-9a-f]{7,40})(?: or earlier)?, before ([0-9a-f]{7,40})", row)
+        if not said:
+            continue
+        checked += 1
+        assert said[1] == first_commit(found[anchor]["commit"]), (anchor, said[1])
+        assert not git("merge-base", "--is-ancestor", said[1], said[2]).returncode, (anchor, said[2])
+        changed = git("diff-tree", "--no-commit-id", "--name-only", "-r", said[2], "--", *MEASURES[anchor])
+        assert changed.stdout.strip(), f"#{anchor}: {said[2]} changed none of {MEASURES[anchor]}"
+    assert checked == sum("measured at " in row for _, row in readme_rows((ROOT / "README.md").read_text()))
+
+
+@pytest.mark.skipif(not history(), reason="needs the git history (not there in a tarball or shallow clone)")
 def test_a_section_older_than_its_code_is_found_stale():
     assert stale("1556e5f", MEASURES["train-step-memory-benchstep_memorypy"])  # before the CPU plan
     head = git("rev-parse", "--short", "HEAD").stdout.strip()
