@@ -120,3 +120,60 @@ def check_compiler(device: torch.device) -> None:
             "model.compile=true on a CPU needs a C++ compiler (g++ or clang++ on PATH, or CXX); "
             "install one or set model.compile=false"
         )
+
+
+def has_bf16_units(device: torch.device) -> tuple[bool, str]:
+    """bf16 matrix units on ``device``, and why opsd thinks so: CUDA's driver says; on a CPU the
+    instruction set does (:func:`opsd.cpu.bf16.cpu_has_bf16_units`)."""
+    import torch
+
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return True, "CUDA device with bf16 support"
+        return False, "CUDA device without bf16 support"
+    from opsd.cpu.bf16 import cpu_has_bf16_units
+
+    return cpu_has_bf16_units()
+
+
+def activation_room(device: torch.device, reserve: int, *, beside_vllm: bool) -> tuple[int, str]:
+    """Bytes a micro-batch's saved activations may take on ``device``, and why: a quarter of a GPU's
+    free memory less ``reserve`` (what the step will take that is not allocated yet: AdamW's state),
+    or the CPU's budget (:func:`opsd.cpu.budget.activation_budget`)."""
+    import torch
+
+    if device.type == "cuda":
+        # What the caching allocator holds but does not use is free to this step too.
+        torch.cuda.empty_cache()
+        free = max(0, torch.cuda.mem_get_info(device)[0] - reserve)
+        return free // 4, f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state"
+    from opsd.cpu.budget import activation_budget
+
+    return activation_budget(reserve, beside_vllm=beside_vllm)
+
+
+def rng_devices(device: torch.device) -> list[torch.device]:
+    """The devices whose generators ``torch.random.fork_rng`` saves besides the CPU's: ``device``
+    where it is a CUDA one."""
+    return [device] if device.type == "cuda" else []
+
+
+def empty_cache(device: torch.device | None) -> None:
+    """Hand what CUDA's caching allocator holds unused back to the driver; nothing elsewhere."""
+    import torch
+
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def vllm_device(device: torch.device | None) -> torch.device:
+    """The device the colocated vLLM engine runs on: the CPU for vLLM's CPU build (or without CUDA),
+    else ``device`` where it is a CUDA one, else the current CUDA device."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if device is not None and device.type == "cuda":
+        return device
+    return torch.device("cuda", torch.cuda.current_device())

@@ -118,10 +118,10 @@ def vllm_line() -> str:
 
 
 def cpu_line() -> str:
+    from opsd.cpu.bf16 import cpu_flags
     from opsd.devices import cpu_isa, cpu_name
-    from opsd.precision import _cpu_flags
 
-    flags = set(_cpu_flags().split())
+    flags = set(cpu_flags().split())
     if not flags:
         return f"{cpu_name()} (no /proc/cpuinfo: instruction sets unknown)"
     sets = {"AVX2": "avx2", "AVX512": "avx512f", "AVX512-BF16": "avx512_bf16", "AMX-BF16": "amx_bf16"}

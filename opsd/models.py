@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Container, Iterator
-from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -25,8 +24,8 @@ except ImportError as err:  # a torchvision built for another torch breaks trans
         raise
     raise found from None
 
-from opsd.cpu.budget import activation_budget
 from opsd.cpu.packing import is_packed, packed_hidden
+from opsd.devices import activation_room
 from opsd.errors import UserError
 from opsd.fetch import (
     CHATML_SPECIAL_TOKENS,
@@ -51,13 +50,14 @@ __all__ = [
     "head_weight",
     "load_model",
     "load_tokenizer",
-    "lora_folded",
+    "lora_modules",
     "merged_state_dict",
     "merged_weight_names",
     "merged_weights",
     "fixed_weight_names",
     "microbatch_budget",
     "activation_bytes_per_token",
+    "plus_deltas",
     "resolve_model_path",
 ]
 
@@ -405,7 +405,7 @@ def _base_name(key: str) -> str:
     return key.replace(".modules_to_save.default", "")
 
 
-def _lora_modules(model: nn.Module) -> dict[str, nn.Module]:
+def lora_modules(model: nn.Module) -> dict[str, nn.Module]:
     """HF name of each LoRA-wrapped base weight -> its (unmerged) LoRA module."""
     out = {}
     for name, mod in model.named_modules():
@@ -431,7 +431,7 @@ def merged_weight_names(model: nn.Module) -> list[str]:
 def fixed_weight_names(model: nn.Module) -> set[str]:
     """HF names of the tensors training never changes: frozen (no gradient) and not LoRA-wrapped,
     e.g. a LoRA run's embedding and norms. A weight sync that already sent them need not again."""
-    lora, state = _lora_modules(model), model.state_dict(keep_vars=True)
+    lora, state = lora_modules(model), model.state_dict(keep_vars=True)
     return {name for key, name in _weight_keys(model) if name not in lora and not state[key].requires_grad}
 
 
@@ -455,7 +455,7 @@ def merged_weights(model: nn.Module, skip: Container[str] = ()) -> Iterator[tupl
     """
     from torch.distributed.tensor import DTensor
 
-    lora, state = _lora_modules(model), model.state_dict()
+    lora, state = lora_modules(model), model.state_dict()
     for key, name in _weight_keys(model):
         if name in skip:
             continue
@@ -463,11 +463,11 @@ def merged_weights(model: nn.Module, skip: Container[str] = ()) -> Iterator[tupl
         if mod is not None:
             local = not isinstance(value, DTensor)  # a shard's sum stays a DTensor, which the caller gathers
             out = torch.empty(value.shape, dtype=value.dtype, device=value.device) if local else None
-            value = _plus_deltas(value, mod, name, out=out)
+            value = plus_deltas(value, mod, name, out=out)
         yield name, value.contiguous()  # a column-major frozen weight is copied
 
 
-def _plus_deltas(value: Tensor, mod: nn.Module, name: str, *, out: Tensor | None = None) -> Tensor:
+def plus_deltas(value: Tensor, mod: nn.Module, name: str, *, out: Tensor | None = None) -> Tensor:
     """``value`` plus each active LoRA adapter's ``scale * B @ A`` in adapter order; ``value`` is
     never touched. With ``out`` the sum is written there, in ``out``'s layout, and returned.
 
@@ -513,40 +513,6 @@ def _plain_lora(mod: nn.Module, adapter: str, value: Tensor) -> bool:
     return type(mod) is Linear and not mod.fan_in_fan_out and wide and same and not cast
 
 
-@contextmanager
-def lora_folded(model: nn.Module, max_bytes: int) -> Iterator[bool]:
-    """Inside: every LoRA-wrapped weight replaced by a new tensor ``W + scale * B @ A`` (what
-    :func:`merged_weights` gives a vLLM engine) and the adapters off, so each projection is one matrix
-    product instead of three; on exit the original tensors are back, untouched. Yields whether it
-    folded: not when the copies would exceed ``max_bytes``, nor for a DoRA adapter or a sharded model.
-
-    Why: decoding a few rows at a time, a LoRA projection's two extra small products and the
-    scaling cost about as much as the base product (docs/results.md, "HF engine"). The copies
-    live only while generating, when the activations of a training step are not held.
-    """
-    from torch.distributed.tensor import DTensor
-
-    mods = _lora_modules(model)
-    weights = [m.base_layer.weight for m in mods.values()]
-    size = sum(w.numel() * w.element_size() for w in weights)
-    dora = any(any(getattr(m, "use_dora", {}).values()) for m in mods.values())
-    if not mods or size > max_bytes or dora or any(isinstance(w, DTensor) for w in weights):
-        yield False
-        return
-    saved: list[tuple[Tensor, Tensor]] = []
-    try:
-        for (name, mod), w in zip(mods.items(), weights):
-            folded = torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=w.device)
-            _plus_deltas(w.detach(), mod, name, out=folded)  # keeps w's (column-major) layout
-            saved.append((w, w.data))
-            w.data = folded
-        with model.disable_adapter():
-            yield True
-    finally:
-        for w, data in saved:
-            w.data = data
-
-
 def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """All of :func:`merged_weights` at once (checkpoint export); a plain model gives its state dict."""
     return dict(merged_weights(model))
@@ -575,22 +541,12 @@ def microbatch_budget(
     beside_vllm: bool = False,
 ) -> tuple[int, str]:
     """``optim.max_tokens_per_microbatch: auto``: as many tokens as keep the student's saved activations
-    within a quarter of the accelerator's free memory less ``reserve`` bytes (what the step will take
-    that is not allocated yet: AdamW's state), or within the CPU's budget
-    (:func:`opsd.cpu.budget.activation_budget`). Between 256 and 16,384 tokens. Measure it with any
-    vLLM engine asleep. Returns the budget and the reason (a notice)."""
+    within the device's room less ``reserve`` bytes (what the step will take that is not allocated
+    yet: AdamW's state; :func:`opsd.devices.activation_room`). Between 256 and 16,384 tokens. Measure
+    it with any vLLM engine asleep. Returns the budget and the reason (a notice)."""
     if setting != "auto":
         return int(setting), "set in the config"
     per_token = activation_bytes_per_token(config, dtype, checkpointing)
-    if device.type == "cuda":
-        # What the caching allocator holds but does not use is free to this step too.
-        torch.cuda.empty_cache()
-        free = max(0, torch.cuda.mem_get_info(device)[0] - reserve)
-        room, where = (
-            free // 4,
-            f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state",
-        )
-    else:
-        room, where = activation_budget(reserve, beside_vllm=beside_vllm)
+    room, where = activation_room(device, reserve, beside_vllm=beside_vllm)
     tokens = max(256, min(16384, room // per_token))
     return tokens, f"~{per_token / 2**20:.2f} MiB of activations per token, {where}"

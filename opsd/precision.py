@@ -2,7 +2,7 @@
 
 ``model.dtype`` is the **compute** dtype of the model's forwards. ``auto`` picks bfloat16 where the
 device has bf16 matrix units (every CUDA GPU that supports bf16; a CPU with AMX-BF16 or
-AVX512-BF16) and float32 elsewhere; ``OPSD_CPU_BF16=0|1`` overrides the CPU probe.
+AVX512-BF16, :mod:`opsd.cpu.bf16`) and float32 elsewhere (:func:`opsd.devices.has_bf16_units`).
 
 The **storage** dtype follows from it:
 
@@ -18,16 +18,14 @@ The **storage** dtype follows from it:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from opsd.devices import has_bf16_units
 from opsd.errors import UserError
-
-CPU_BF16_ENV = "OPSD_CPU_BF16"
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -43,63 +41,6 @@ HALF = (torch.bfloat16, torch.float16)
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def cpu_has_bf16_units() -> tuple[bool, str]:
-    """Whether this CPU multiplies bf16 matrices natively, and why opsd thinks so.
-
-    Without AMX-BF16 or AVX512-BF16, oneDNN emulates bf16 products, measured ~25x slower than float32
-    on an AMD EPYC without either. ``OPSD_CPU_BF16=0|1`` overrides the probe (odd CPUs, and the test
-    suite, which checks both answers on every machine).
-    """
-    forced = os.environ.get(CPU_BF16_ENV)
-    if forced is not None and forced.strip() != "":
-        if forced.strip() not in ("0", "1"):
-            raise UserError(f"{CPU_BF16_ENV}={forced!r}: expected 0 (no bf16 units) or 1 (bf16 units)")
-        on = forced.strip() == "1"
-        return on, f"{CPU_BF16_ENV}={forced.strip()} overrides the CPU probe"
-    capped = _isa_cap()
-    if capped:
-        return False, f"{capped} keeps the kernels below the CPU's bf16 instructions (bf16 would be emulated)"
-    flags = _cpu_flags()
-    if "amx_bf16" in flags or "avx512_bf16" in flags:
-        return True, "CPU with AMX/AVX512-BF16 matrix units"
-    return False, "CPU without bf16 matrix units (bf16 would be emulated, many times slower)"
-
-
-# oneDNN ISA caps that still reach its bf16 instructions (AVX512-BF16, AMX, AVX10); any other cap keeps
-# the kernels on AVX2 or plain AVX512, where bf16 products are emulated.
-_BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10")
-
-
-def _isa_cap() -> str | None:
-    """The environment setting that caps torch's or oneDNN's kernels below bf16 instructions, if any:
-    ``ATEN_CPU_CAPABILITY=avx2`` or ``ONEDNN_MAX_CPU_ISA=AVX2`` (how an AVX2-only machine is reproduced
-    on a newer one) make a CPU with bf16 units compute as one without."""
-    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    if aten in ("default", "avx2"):
-        return f"ATEN_CPU_CAPABILITY={aten}"
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
-    if isa and not isa.startswith(_BF16_ISAS):
-        return f"ONEDNN_MAX_CPU_ISA={isa}"
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def has_bf16_units(device: torch.device) -> tuple[bool, str]:
-    """bf16 matrix units on ``device`` (CUDA: the driver says; CPU: :func:`cpu_has_bf16_units`)."""
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return True, "CUDA device with bf16 support"
-        return False, "CUDA device without bf16 support"
-    return cpu_has_bf16_units()
 
 
 def compute_dtype(setting: str, device: torch.device) -> tuple[torch.dtype, str]:

@@ -66,10 +66,36 @@ def test_auto_beside_vllm_sharded_compiled_and_float32():
     assert not beside.bucket_widths and beside.loss_chunk_rows is None
     assert not beside.trim_heap and not beside.static_cache and beside.fold_lora_bytes == 0
     assert beside.tune_malloc is ON_GLIBC and beside.keep_pages is ON_GLIBC
+    assert beside.size_kv_cache and beside.engine_settings().size_kv_cache
     sharded = cpu.resolve_plan(settings(), CPU, torch.float32, engine="hf", sharded=True)
     assert sharded.frozen_layout is None and not sharded.pack_rows
     compiled = cpu.resolve_plan(settings(), CPU, torch.float32, engine="hf", compiled=True)
     assert not compiled.pack_rows and "model.compile: rows batched" in compiled.notes
+
+
+def test_sizing_holds_with_tuning_off():
+    """The vLLM engine's KV cache is sized to its batch on a CPU with ``cpu.tuning: off`` too (sizing, as
+    the micro-batch budget is): the plan is still the plain path."""
+    plan = cpu.resolve_plan(settings(tuning="off"), CPU, torch.float32, engine="vllm")
+    assert plan.empty and plan.size_kv_cache
+    assert not cpu.resolve_plan(settings(), CUDA, torch.float32, engine="vllm").size_kv_cache
+
+
+def test_engine_settings_reach_each_mechanism_through_the_plan(tiny_model):
+    """A rollout engine sees the plan's mechanisms only through its settings' methods: off, each is
+    the plain path (the width as it is, no cache argument, nothing folded)."""
+    from opsd.cpu.buckets import bucket_width
+
+    on = cpu.resolve_plan(settings(), CPU, torch.bfloat16, engine="hf").engine_settings()
+    off = cpu.CpuPlan().engine_settings()
+    assert on.width(43) == bucket_width(43) == 44 and off.width(43) == 43
+    assert off.decode_cache(tiny_model, 64) == {} and len(on.decode_cache(tiny_model, 64)) == 1
+    with off.lora_folded(tiny_model) as folded:
+        assert not folded  # no LoRA here, and a budget of 0
+    assert cpu.CpuPlan(fold_lora_bytes=8).engine_settings(fold_lora_bytes=0).fold_lora_bytes == 0
+    assert (
+        off.vllm_kwargs(tiny_model.config, "float32", 4, 64, llm_kwargs={}, gpu_memory_utilization=None) == {}
+    )
 
 
 def test_each_switch_turns_its_mechanism_off():
@@ -182,44 +208,6 @@ def test_reused_blocks_restore_the_trim_threshold_unless_keeping_pages(keep_page
         assert heap._M_TRIM_THRESHOLD not in after
     else:
         assert after[heap._M_TRIM_THRESHOLD] == 64 << 20
-
-
-# --- the room's walls ------------------------------------------------------------------------------
-
-PKG = __import__("pathlib").Path(__file__).resolve().parents[1] / "opsd"
-
-
-def cpu_type_checks(source: str) -> list[int]:
-    """Lines of ``source`` that compare a ``.type`` (a device's) with the string "cpu"."""
-    import ast
-
-    lines = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Compare):
-            continue
-        sides = [node.left, *node.comparators]
-        typed = any(isinstance(s, ast.Attribute) and s.attr == "type" for s in sides)
-        cpu_str = any(isinstance(s, ast.Constant) and s.value == "cpu" for s in sides)
-        if typed and cpu_str:
-            lines.append(node.lineno)
-    return lines
-
-
-def test_cpu_branches_live_in_the_cpu_room():
-    """Outside ``opsd/cpu/`` and ``opsd/devices.py`` no code asks whether a device is a CPU: CPU-only
-    behaviour is the CPU plan's, behind ``cpu.tuning``."""
-    allowed = {PKG / "devices.py"}
-    found = []
-    for path in sorted(PKG.rglob("*.py")):
-        if path in allowed or (PKG / "cpu") in path.parents:
-            continue
-        found += [f"{path.relative_to(PKG.parent)}:{n}" for n in cpu_type_checks(path.read_text())]
-    assert found == []
-
-
-def test_the_wall_check_finds_each_spelling():
-    src = 'a = x.device.type == "cpu"\nb = "cpu" != t.type\nc = d.type in ("cuda",)\ne = f.type == "cuda"\n'
-    assert cpu_type_checks(src) == [1, 2]
 
 
 @pytest.fixture

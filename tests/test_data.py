@@ -883,7 +883,7 @@ def test_microbatches_match_the_trainer(reduction: str) -> None:
 
 
 def test_bucket_widths_are_sixteen_per_doubling_and_at_most_six_percent_wider() -> None:
-    from opsd.data.batching import bucket_width
+    from opsd.cpu.buckets import bucket_width
 
     widths = [bucket_width(n) for n in range(1, 5000)]
     assert all(w >= n and (w - n) <= 0.0625 * n for n, w in zip(range(1, 5000), widths, strict=True))
@@ -897,7 +897,7 @@ def test_bucket_widths_are_sixteen_per_doubling_and_at_most_six_percent_wider() 
 def test_microbatch_widths_in_buckets() -> None:
     """With bucket (a CPU in bf16) every padded width is a bucket width, the budget bounds the bucketed
     widths, and the positions still pick the hidden states that predict the targets."""
-    from opsd.data.batching import bucket_width
+    from opsd.cpu.buckets import bucket_width
 
     samples = _random_samples(seed=1, count=9, prompt_lens=(30, 60))
     kw = dict(pad_id=0, reduction="token", global_tokens=100.0, global_seqs=9.0, device="cpu")
@@ -928,7 +928,7 @@ def test_packed_microbatches_name_each_rows_width(bucket: bool) -> None:
     """``pack_from`` (a CPU, one process) changes no tensor: where a side's rows differ in width and
     the shortest reaches it, it records each row's own width (its length, or its bucket width, never
     wider than the group's) and counts only those positions as computed; elsewhere rows stay batched."""
-    from opsd.data.batching import bucket_width
+    from opsd.cpu.buckets import bucket_width
 
     samples = _random_samples(seed=2, count=9, prompt_lens=(10, 60))
     kw = dict(pad_id=0, reduction="token", global_tokens=100.0, global_seqs=9.0, device="cpu", bucket=bucket)

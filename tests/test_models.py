@@ -328,8 +328,8 @@ def test_lora_folded_matches_the_adapter_and_restores_every_bit(tiny_tokenizer):
     """Inside: the adapter folded into copies equals the unmerged forward to float64 rounding (the
     same products summed in another order); after: the very tensors, bit for bit, and the adapter on.
     Too small a byte limit folds nothing."""
+    from opsd.cpu.fold import lora_folded
     from opsd.cpu.layout import frozen_weights
-    from opsd.models import lora_folded
 
     ids = torch.tensor([tiny_tokenizer("What is 12 + 30? 42").input_ids])
     lora = _lora(build_tiny_model(tiny_tokenizer, seed=0).double())
@@ -539,8 +539,8 @@ def test_merged_weights_merges_one_matrix_at_a_time(tiny_model, monkeypatch):
     lora = _lora(tiny_model)
     _randomize_lora_b(lora)
     calls = []
-    merge = models._plus_deltas
-    monkeypatch.setattr(models, "_plus_deltas", lambda *a, **kw: calls.append(a[2]) or merge(*a, **kw))
+    merge = models.plus_deltas
+    monkeypatch.setattr(models, "plus_deltas", lambda *a, **kw: calls.append(a[2]) or merge(*a, **kw))
     names = merged_weight_names(lora)
     assert calls == [] and not any("lora_" in n or "base_layer" in n for n in names)
     stream, seen = merged_weights(lora), []

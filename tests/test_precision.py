@@ -16,6 +16,7 @@ from helpers import FULL_FT, ScriptedEngine, build_assets, make_cfg
 
 from opsd import Trainer, precision
 from opsd.cli import main
+from opsd.cpu import bf16
 from opsd.errors import UserError
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -45,8 +46,8 @@ def test_cpu_probe_reads_the_flags(monkeypatch, flags, has):
     monkeypatch.delenv("OPSD_CPU_BF16")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: flags)
-    assert precision.cpu_has_bf16_units()[0] is has
+    monkeypatch.setattr(bf16, "cpu_flags", lambda: flags)
+    assert bf16.cpu_has_bf16_units()[0] is has
     assert precision.compute_dtype("auto", CPU)[0] == (BF16 if has else FP32)
 
 
@@ -67,8 +68,8 @@ def test_an_isa_cap_below_bf16_counts_as_no_bf16_units(monkeypatch, env, has):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setattr(precision, "_cpu_flags", lambda: "fpu avx512f amx_bf16 amx_tile")
-    ok, why = precision.cpu_has_bf16_units()
+    monkeypatch.setattr(bf16, "cpu_flags", lambda: "fpu avx512f amx_bf16 amx_tile")
+    ok, why = bf16.cpu_has_bf16_units()
     assert ok is has
     assert has or next(iter(env)) in why
 
@@ -208,11 +209,11 @@ def test_lora_adapters_and_ema_stay_float32_over_a_bf16_base(assets, tmp_path):
 def test_bf16_on_a_cpu_pads_to_bucket_widths(assets, tmp_path, monkeypatch):
     """In bf16 on a CPU the trainer's micro-batches (student and teacher) are padded to bucket widths and
     the HF engine buckets its prompts: the CPU's bf16 attention keeps a kernel per sequence length."""
-    from opsd.data.batching import bucket_width
+    from opsd.cpu.buckets import bucket_width
 
     over = {"model.dtype": "bfloat16", "optim.max_steps": 1, "rollout.max_new_tokens": 4}
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
-    assert tr.engine.bucket_widths
+    assert tr.engine.cpu_settings.bucket_widths
     seen = []
     real = tr.microbatches
 

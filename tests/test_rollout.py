@@ -13,7 +13,7 @@ import torch.distributed as dist
 from helpers import vllm_engine
 
 from opsd.config import RolloutConfig
-from opsd.data.batching import bucket_width
+from opsd.cpu.buckets import bucket_width
 from opsd.errors import UserError
 from opsd.rollout import (
     Completion,
@@ -55,9 +55,9 @@ def test_prompt_widths_in_buckets_change_no_token(tiny_model, tiny_tokenizer, pr
     zeros and differently blocked products differs, far under that."""
     model = tiny_model.double()
     plain = HFEngine(model, tiny_tokenizer, batch_size=3)
-    assert not plain.bucket_widths  # float64 on a CPU
+    assert not plain.cpu_settings.bucket_widths  # float64 on a CPU
     wide = HFEngine(model, tiny_tokenizer, batch_size=3)
-    wide.bucket_widths = True
+    wide.cpu_settings = replace(wide.cpu_settings, bucket_widths=True)
     longer = [(p * 16)[: 37 + 3 * i] for i, p in enumerate(prompts)]  # 37, 40, 43, ...
     first = max(len(p) for p in longer[:3])  # the engine's first batch: its three shortest prompts
     assert bucket_width(first) > first  # 43 -> 44: that batch is padded wider
@@ -65,7 +65,7 @@ def test_prompt_widths_in_buckets_change_no_token(tiny_model, tiny_tokenizer, pr
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-9)
-    assert HFEngine(tiny_model.to(torch.bfloat16), tiny_tokenizer).bucket_widths
+    assert HFEngine(tiny_model.to(torch.bfloat16), tiny_tokenizer).cpu_settings.bucket_widths
 
 
 def test_count_order_and_shapes(tiny_model, tiny_tokenizer, prompts):
@@ -576,7 +576,7 @@ def test_cpu_kv_cache_holds_the_batch_at_full_length():
     sequences of max_model_len tokens need: K and V per layer, KV head and head size, in whole blocks."""
     from transformers import LlamaConfig
 
-    from opsd.rollout import cpu_kv_cache_bytes
+    from opsd.cpu.kv import cpu_kv_cache_bytes
 
     cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     # head size 64 / 4 = 16; per token 2 (K, V) x 2 layers x 2 KV heads x 16 x 4 bytes = 512;

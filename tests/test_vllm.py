@@ -231,7 +231,7 @@ def test_cpu_engine_sizes_its_cache_to_the_batch(assets, base_model, capsys):
     sequences of max_model_len tokens (vLLM would otherwise take 0.4 of the machine's RAM), and generates."""
     from vllm.platforms import current_platform
 
-    from opsd.rollout import cpu_kv_cache_bytes
+    from opsd.cpu.kv import cpu_kv_cache_bytes
 
     if not current_platform.is_cpu():
         pytest.skip("the sizing is for vLLM's CPU backend")

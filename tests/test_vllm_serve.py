@@ -189,7 +189,7 @@ def test_opsd_serve_defaults_on_a_cpu(assets, tmp_path, monkeypatch):
     vLLM's 92% of the RAM. A float32 trainer learns the server's dtype from /server_info and trains
     through it within the tolerance the two roundings give. The CPU's own answer, not the suite's
     float32 default."""
-    from opsd.precision import cpu_has_bf16_units
+    from opsd.cpu.bf16 import cpu_has_bf16_units
 
     monkeypatch.delenv("OPSD_CPU_BF16")
     dtype = "bfloat16" if cpu_has_bf16_units()[0] else "float32"

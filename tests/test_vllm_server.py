@@ -224,7 +224,7 @@ def test_serve_sizes_the_cpu_kv_cache_from_length_and_sequences(assets):
     stands, and its --max-model-len / --max-num-seqs size the cache."""
     from transformers import AutoConfig
 
-    from opsd.rollout import cpu_kv_cache_bytes
+    from opsd.cpu.kv import cpu_kv_cache_bytes
 
     config = AutoConfig.from_pretrained(assets["model"])
 

@@ -5,7 +5,7 @@ sequence length and keeps it for the life of the process; float32 keeps none. Th
 causal attention at SmolLM2-135M's shape (9 query heads, 3 key/value heads, head size 64, 2 rows)
 over a range of lengths, every length once and then again, and prints the process's resident set
 after each pass: all lengths from 100 on, then only the bucket widths among them (what opsd pads to
-on a CPU in bf16: ``opsd.data.batching.bucket_width``, ``opsd.cpu.CpuPlan.bucket_widths``), each in a
+on a CPU in bf16: ``opsd.cpu.buckets.bucket_width``, ``opsd.cpu.CpuPlan.bucket_widths``), each in a
 fresh process. Memory does not depend on the
 machine's load; the times are not results.
 
@@ -30,7 +30,7 @@ def child(dtype_name: str, which: str, top: int, backward: bool) -> None:
     import torch
     import torch.nn.functional as F
 
-    from opsd.data.batching import bucket_width
+    from opsd.cpu.buckets import bucket_width
 
     dtype = getattr(torch, dtype_name)
     proc = psutil.Process()

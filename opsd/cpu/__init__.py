@@ -41,11 +41,13 @@ class CpuPlan:
     keep_pages: bool = False  # with tune_malloc: the heap never trims itself after the loop
     static_cache: bool = False  # the HF engine decodes into a preallocated cache
     fold_lora_bytes: int = 0  # the HF engine folds LoRA into weight copies up to this size
+    size_kv_cache: bool = False  # vLLM's KV cache sized to its batch (sizing: tuning off keeps it)
     notes: tuple[str, ...] = field(default=())  # why something is off that auto would turn on
 
     @property
     def empty(self) -> bool:
-        return self == CpuPlan(notes=self.notes)
+        """Nothing tuned: the plain path (sizing, which holds with ``cpu.tuning: off``, aside)."""
+        return self == CpuPlan(size_kv_cache=self.size_kv_cache, notes=self.notes)
 
     def describe(self) -> str:
         """The plan as one startup line."""
@@ -74,6 +76,8 @@ class CpuPlan:
             parts.append("static KV cache")
         if self.fold_lora_bytes:
             parts.append(f"LoRA folded while decoding (up to {self.fold_lora_bytes >> 20} MiB)")
+        if self.size_kv_cache:
+            parts.append("vLLM's KV cache sized to its batch")
         return "; ".join(parts + list(self.notes))
 
     def as_dict(self) -> dict[str, Any]:
@@ -105,6 +109,52 @@ class CpuPlan:
         if self.trim_heap:
             heap.trim_heap()
 
+    def engine_settings(self, *, fold_lora_bytes: int | None = None) -> EngineSettings:
+        """What a rollout engine takes from the plan; ``fold_lora_bytes`` (``rollout.fold_lora``)
+        replaces the plan's folding budget where it is set."""
+        fold = self.fold_lora_bytes if fold_lora_bytes is None else fold_lora_bytes
+        return EngineSettings(self.bucket_widths, self.static_cache, fold, self.size_kv_cache)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """A rollout engine's CPU mechanisms, each reached through a method here: the HF engine's prompt
+    widths, decoding cache and LoRA folding, the colocated vLLM engine's KV cache size."""
+
+    bucket_widths: bool = False
+    static_cache: bool = False
+    fold_lora_bytes: int = 0
+    size_kv_cache: bool = False
+
+    def width(self, n: int) -> int:
+        """A batch of prompts ``n`` tokens wide, padded to its bucket (:mod:`opsd.cpu.buckets`)."""
+        from opsd.cpu.buckets import bucket_width
+
+        return bucket_width(n) if self.bucket_widths else n
+
+    def decode_cache(self, model: nn.Module, max_len: int) -> dict[str, Any]:
+        """``generate``'s cache argument: a preallocated cache (:mod:`opsd.cpu.cache`), or none."""
+        from opsd.cpu.cache import static_cache
+
+        return static_cache(model, max_len) if self.static_cache else {}
+
+    def lora_folded(self, model: nn.Module) -> AbstractContextManager[bool]:
+        """Decoding with LoRA folded into weight copies within the budget (:mod:`opsd.cpu.fold`)."""
+        from opsd.cpu.fold import lora_folded
+
+        return lora_folded(model, self.fold_lora_bytes)
+
+    def vllm_kwargs(
+        self, config, dtype: str, max_num_seqs: int | None, max_model_len: int | None, **user: Any
+    ) -> dict[str, int]:
+        """``vllm.LLM``'s KV cache size for the batch (:func:`opsd.cpu.kv.colocated_kv_kwargs`), or
+        nothing; ``user``: ``llm_kwargs`` and ``gpu_memory_utilization``, which stand where set."""
+        from opsd.cpu.kv import colocated_kv_kwargs
+
+        if not self.size_kv_cache:
+            return {}
+        return colocated_kv_kwargs(config, dtype, max_num_seqs, max_model_len, **user)
+
 
 def resolve_plan(
     settings: Any,
@@ -127,11 +177,11 @@ def resolve_plan(
 
     if device.type != "cpu":
         return CpuPlan()
+    beside_vllm = engine == "vllm"
     if settings.tuning == "off":
-        return CpuPlan(notes=("cpu.tuning=off",))
+        return CpuPlan(size_kv_cache=beside_vllm, notes=("cpu.tuning=off",))
     notes = []
     hf = engine == "hf"
-    beside_vllm = engine == "vllm"
     half = compute_dtype in (torch.bfloat16, torch.float16)
     on_glibc = glibc() is not None
     malloc = bool(settings.tune_malloc)
@@ -155,6 +205,7 @@ def resolve_plan(
         keep_pages=malloc and on_glibc and beside_vllm,
         static_cache=hf,
         fold_lora_bytes=ACTIVATION_BUDGET if hf else 0,  # within the activations' budget, free while decoding
+        size_kv_cache=beside_vllm,
         notes=tuple(notes),
     )
 
@@ -170,12 +221,12 @@ def command_defaults(cfg):
     return cfg.model_copy(update={"cpu": cfg.cpu.model_copy(update={"tune_malloc": True})})
 
 
-def default_plan(device: torch.device, compute_dtype: torch.dtype | None) -> CpuPlan:
-    """The plan at the ``cpu`` section's defaults for one process decoding with the HF engine: what
-    ``opsd eval``, ``opsd sft`` and an engine built outside a trainer run."""
+def default_plan(device: torch.device, compute_dtype: torch.dtype | None, *, engine: str = "hf") -> CpuPlan:
+    """The plan at the ``cpu`` section's defaults for one process with ``engine``: what an engine
+    built outside a trainer runs."""
     from opsd.config import CpuTuning
 
-    return resolve_plan(CpuTuning(), device, compute_dtype, engine="hf")
+    return resolve_plan(CpuTuning(), device, compute_dtype, engine=engine)
 
 
 def apply_plan(plan: CpuPlan, *models: nn.Module | None, params: int) -> CpuPlan:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from opsd.cpu.buckets import bucket_width  # the CPU plan's width buckets
+
 
 @dataclass
 class Sample:
@@ -128,14 +130,6 @@ def response_positions(lengths: list[int], response_lens: list[int], width: int)
         b * width + p for b, (n, r) in enumerate(zip(lengths, response_lens)) for p in range(n - r - 1, n - 1)
     ]
     return torch.tensor(idx, dtype=torch.long)
-
-
-def bucket_width(n: int) -> int:
-    """``n`` rounded up to one of sixteen widths per doubling (steps of ``2**(ceil(log2 n) - 5)``):
-    at most 6% wider (~2% on average), and ~16 distinct widths from ``L`` to ``2L``
-    (the CPU plan, :class:`opsd.cpu.CpuPlan`, says where and why)."""
-    step = 1 << max(0, (n - 1).bit_length() - 5)
-    return -(-n // step) * step
 
 
 def pad_right(

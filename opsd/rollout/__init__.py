@@ -19,7 +19,6 @@ from opsd.rollout.vllm import (
     VLLM_VERSION,
     VLLMEngine,
     check_weight_coverage,
-    cpu_kv_cache_bytes,
     weights_to_resend,
 )
 
@@ -32,6 +31,5 @@ __all__ = [
     "SamplingParams",
     "VLLMEngine",
     "check_weight_coverage",
-    "cpu_kv_cache_bytes",
     "weights_to_resend",
 ]

@@ -5,16 +5,13 @@ It runs anywhere (CPU or GPU), and weight sync is free since the model is shared
 
 from __future__ import annotations
 
-import inspect
 import os
-from typing import Any
 
 import torch
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
-    StaticCache,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -25,8 +22,7 @@ from transformers.generation.logits_process import (
 )
 
 from opsd.cpu import CpuPlan, default_plan
-from opsd.data.batching import bucket_width
-from opsd.models import base_model, lora_folded
+from opsd.devices import rng_devices
 from opsd.parallel import gathered
 from opsd.rollout.base import Completion, SamplesOnSubmit, SamplingParams, _check_prompts, _stop_ids
 
@@ -123,9 +119,7 @@ class HFEngine(SamplesOnSubmit):
         # preallocated cache, LoRA folded into weight copies up to ``fold_lora_bytes``.
         first = next(model.parameters())
         plan = plan if plan is not None else default_plan(first.device, autocast_dtype or first.dtype)
-        self.bucket_widths = plan.bucket_widths
-        self.static_cache = plan.static_cache
-        self.fold_lora_bytes = plan.fold_lora_bytes if fold_lora_bytes is None else fold_lora_bytes
+        self.cpu_settings = plan.engine_settings(fold_lora_bytes=fold_lora_bytes)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad is None:
             raise ValueError("tokenizer has neither a pad nor an eos token; set tokenizer.pad_token")
@@ -163,14 +157,14 @@ class HFEngine(SamplesOnSubmit):
             amp = torch.autocast(
                 device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
             )
-            rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+            rng = torch.random.fork_rng(devices=rng_devices(device))
             # LoRA folded into copies of the weights while generating, where they fit in the budget
             # (on a CPU the activations', free during the rollout: peak RSS stays where training puts it).
-            fold = self.fold_lora_bytes
+            folded = self.cpu_settings.lora_folded(self.model)
             # Decoding runs eager: layers compiled for training (model.compile) would recompile at
             # every new cache length.
             eager = torch.compiler.set_stance("force_eager")
-            with rng, amp, eager, gathered(self.model), lora_folded(self.model, fold):
+            with rng, amp, eager, gathered(self.model), folded:
                 torch.manual_seed(seed)
                 for start in range(0, len(order), self.batch_size):
                     chunk = order[start : start + self.batch_size]
@@ -183,9 +177,7 @@ class HFEngine(SamplesOnSubmit):
         return results  # type: ignore[return-value]
 
     def _generate_batch(self, batch: list[list[int]], params: SamplingParams, stop_ids: list[int], device):
-        width = max(len(p) for p in batch)
-        if self.bucket_widths:
-            width = bucket_width(width)
+        width = self.cpu_settings.width(max(len(p) for p in batch))
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         for r, p in enumerate(batch):  # left padding: the next token is at the same column for all rows
@@ -207,10 +199,8 @@ class HFEngine(SamplesOnSubmit):
             return_dict_in_generate=False,
             **neutral,
         )
-        # The CPU plan's preallocated cache, made here for this batch alone (generate's own would be
-        # reused at another length by the next call, which moves the log-probs' last bits): a growing
-        # cache re-copies every layer's keys and values at each token (docs/cpu.md, "Static KV cache").
-        cache = _static_cache(self.model, width + params.max_new_tokens) if self.static_cache else {}
+        # The CPU plan's preallocated cache, made here for this batch alone (docs/cpu.md, "Static KV cache").
+        cache = self.cpu_settings.decode_cache(self.model, width + params.max_new_tokens)
         seqs = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
@@ -236,11 +226,3 @@ class HFEngine(SamplesOnSubmit):
                 )
             )
         return out
-
-
-def _static_cache(model, max_len: int) -> dict[str, Any]:
-    """``generate``'s cache argument: a fresh StaticCache under the name this transformers reads
-    (``cache`` from 5.2x, ``past_key_values`` before)."""
-    net = base_model(model)
-    name = "cache" if "cache" in inspect.signature(net.forward).parameters else "past_key_values"
-    return {name: StaticCache(config=net.config, max_cache_len=max_len)}

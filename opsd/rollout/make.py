@@ -50,7 +50,8 @@ def make_engine(
     `compute_dtype` is vLLM's dtype when rollout.vllm_dtype is auto (the trainer's compute dtype, not
     the float32 of master weights); `autocast_dtype` makes the HF engine generate under autocast.
     `ranks`: this process's place among the trainer's ranks (one engine per rank under torchrun).
-    `plan`: the trainer's CPU plan (the HF engine's decoding mechanisms; None: the device's default).
+    `plan`: the trainer's CPU plan (the HF engine's decoding mechanisms, the vLLM engine's KV cache
+    size; None: the device's default).
     """
     name = kind or rollout.engine
     if name == "hf":
@@ -86,6 +87,7 @@ def make_engine(
             llm_kwargs=rollout.vllm_kwargs,
             world_size=ranks.world_size if ranks is not None else None,
             device=ranks.device if ranks is not None else None,
+            plan=plan,
         )
     if name == "vllm_server":
         return VLLMServerEngine(

@@ -15,12 +15,10 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
+from opsd.cpu.kv import SERVE_CPU_MAX_MODEL_LEN, serve_flags
 from opsd.errors import UserError
 
 SERVE_MAX_NUM_SEQS = 16  # `opsd serve --max-num-seqs`: sequences the CPU KV cache holds at full length
-SERVE_CPU_MAX_MODEL_LEN = 4096  # `opsd serve` on a CPU without --max-model-len (capped by the model's)
 
 
 def vllm_flag(tokens: list[str], flag: str) -> str | None:
@@ -51,7 +49,7 @@ def serve_dtype(setting: str) -> tuple[str, str]:
     )
 
 
-def _model_config(model: str):
+def model_config(model: str):
     """The model directory's transformers config, None where it has none that loads."""
     try:
         from transformers import AutoConfig
@@ -59,43 +57,6 @@ def _model_config(model: str):
         return AutoConfig.from_pretrained(model)
     except (OSError, ValueError, KeyError):
         return None
-
-
-def cpu_kv_args(args: argparse.Namespace, dtype: str, extra: list[str]) -> tuple[list[str], str | None]:
-    """On a CPU vLLM reserves ``gpu_memory_utilization`` (0.92 by default) of the machine's RAM for its
-    KV cache, which fails beside a trainer: size it instead, as the colocated engine does, to hold
-    ``--max-num-seqs`` sequences of ``--max-model-len`` tokens, and cap vLLM's scheduler at that many.
-    What ``--vllm-args`` sets stands. Returns the flags to add and the line that says what was sized."""
-    from opsd.rollout.vllm import cpu_kv_cache_bytes
-
-    if vllm_flag(extra, "--kv-cache-memory-bytes") or vllm_flag(extra, "--gpu-memory-utilization"):
-        return [], None
-    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        return [], None
-    added: list[str] = []
-    config = _model_config(str(args.model))
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    length = vllm_flag(extra, "--max-model-len") or args.max_model_len
-    if length is None:
-        longest = getattr(text, "max_position_embeddings", None) or SERVE_CPU_MAX_MODEL_LEN
-        length = min(SERVE_CPU_MAX_MODEL_LEN, int(longest))
-        added += ["--max-model-len", str(length)]
-    seqs = vllm_flag(extra, "--max-num-seqs")
-    if seqs is None:
-        seqs = args.max_num_seqs
-        added += ["--max-num-seqs", str(seqs)]
-    try:
-        length, seqs = int(length), int(seqs)
-    except ValueError:
-        raise UserError(f"--max-model-len {length} / --max-num-seqs {seqs}: expected integers") from None
-    kv = cpu_kv_cache_bytes(text, dtype, seqs, length)
-    if not kv:
-        return added, None
-    line = (
-        f"vLLM on the CPU: a {kv / 2**30:.2f} GiB KV cache for {seqs} sequences of {length} tokens "
-        "(--max-num-seqs, --max-model-len; --vllm-args='--kv-cache-memory-bytes N' sets it)"
-    )
-    return [*added, "--kv-cache-memory-bytes", str(kv)], line
 
 
 def serve_command(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -122,16 +83,10 @@ def serve_command(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     ]
     if args.max_model_len is not None:
         cmd += ["--max-model-len", str(args.max_model_len)]
-    if not torch.cuda.is_available():
-        cmd.append("--enforce-eager")  # on CPU a compiled graph may keep stale prepacked weights
-        # vLLM 0.32's CPU runner rewinds a seeded request's generator when a chunked prefill discards
-        # a sample (gpu_model_runner._bookkeeping_sync: gen.set_offset), which CPU generators do not
-        # support: the engine dies. Whole prefills never rewind.
-        cmd.append("--no-enable-chunked-prefill")
-        kv_args, line = cpu_kv_args(args, dtype, extra)
-        cmd += kv_args
-        if line:
-            notes.append(line)
+    cpu_flags, line = serve_flags(args, dtype, extra)  # vLLM's CPU build: eager, whole prefills, its cache
+    cmd += cpu_flags
+    if line:
+        notes.append(line)
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     if args.weight_transfer == "nccl":  # vLLM's weight-transfer endpoints, for rollout.weight_sync=nccl

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -17,9 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from opsd.cpu import CpuPlan, default_plan
+from opsd.devices import empty_cache, rng_devices, vllm_device
 from opsd.distributed import rank_world
 from opsd.errors import UserError
-from opsd.models import fixed_weight_names, head_size, merged_weight_names, merged_weights
+from opsd.models import fixed_weight_names, merged_weight_names, merged_weights
 from opsd.rollout.base import Completion, SamplesOnSubmit, SamplingParams, _check_prompts, _stop_ids
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def _quiet_skipped_layers() -> Iterator[None]:
 
 
 @contextmanager
-def _rng_scope(seed: int | None, cuda_device: torch.device | None) -> Iterator[None]:
+def _rng_scope(seed: int | None, device: torch.device) -> Iterator[None]:
     """Runs the block on the global RNGs seeded with `seed`, then gives the caller its own back.
 
     An in-process vLLM engine draws from the global generators: the V1 sampler's noise (torch),
@@ -117,7 +118,7 @@ def _rng_scope(seed: int | None, cuda_device: torch.device | None) -> Iterator[N
 
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
-        with torch.random.fork_rng(devices=[cuda_device] if cuda_device is not None else []):
+        with torch.random.fork_rng(devices=rng_devices(device)):
             if seed is not None:
                 random.seed(seed)
                 np.random.seed(seed % 2**32)
@@ -128,28 +129,17 @@ def _rng_scope(seed: int | None, cuda_device: torch.device | None) -> Iterator[N
         np.random.set_state(np_state)
 
 
-def cpu_kv_cache_bytes(config, dtype: str, max_num_seqs: int | None, max_model_len: int | None) -> int | None:
-    """Bytes of KV cache that hold ``max_num_seqs`` sequences of ``max_model_len`` tokens at once: per token
-    K and V of every layer (KV heads x head size in ``dtype``), each sequence rounded up to 256-token
-    blocks plus one (vLLM's CPU blocks are 128 tokens; some backends use 256).
-
-    Why: on a CPU vLLM reads ``gpu_memory_utilization`` as a share of the machine's RAM and takes it all
-    for its cache, less what the process already holds: 0.4 of 24 GB made a SmolLM2-135M step peak at
-    6.67 GiB RSS, for a rollout that needs a few hundred MB. None when the model's config does not say
-    (then vLLM's own sizing stands)."""
-    if config is None or not max_num_seqs or not max_model_len:
-        return None
-    try:
-        heads = int(config.num_attention_heads)
-        layers = int(config.num_hidden_layers)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = head_size(config)
-        width = torch.finfo(getattr(torch, dtype)).bits // 8
-    except (AttributeError, TypeError, ValueError):
-        return None
-    block = 256
-    tokens = max_num_seqs * (-(-max_model_len // block) + 1) * block
-    return 2 * layers * kv_heads * head_dim * width * tokens
+def _check_ranks(world: int, tp: int) -> None:
+    """One colocated engine per rank: the tensor-parallel size divides the ranks, under torchrun."""
+    if world == 1 and tp > 1:
+        raise UserError(
+            f"rollout.tensor_parallel_size={tp} needs torchrun with a multiple of {tp} ranks "
+            "(one colocated vLLM engine per rank)"
+        )
+    if world % tp:
+        raise UserError(f"rollout.tensor_parallel_size={tp} does not divide the {world} ranks")
+    if world > 1 and not dist.is_initialized():
+        raise RuntimeError("under torchrun, initialise torch.distributed before the vLLM engine")
 
 
 def _import_vllm():
@@ -206,6 +196,7 @@ class VLLMEngine(SamplesOnSubmit):
         llm_kwargs: Mapping[str, Any] | None = None,
         world_size: int | None = None,
         device: torch.device | None = None,
+        plan: CpuPlan | None = None,
     ) -> None:
         if sleep_level not in (0, 1, 2):
             raise UserError(f"rollout.vllm_sleep_level={sleep_level} must be 0 (off), 1 or 2")
@@ -215,17 +206,10 @@ class VLLMEngine(SamplesOnSubmit):
         tp = tensor_parallel_size
         # The trainer's ranks (opsd.distributed.Dist); without them, the process group's.
         world = world_size if world_size is not None else rank_world()[1]
-        if world == 1 and tp > 1:
-            raise UserError(
-                f"rollout.tensor_parallel_size={tp} needs torchrun with a multiple of {tp} ranks "
-                "(one colocated vLLM engine per rank)"
-            )
-        if world % tp:
-            raise UserError(f"rollout.tensor_parallel_size={tp} does not divide the {world} ranks")
-        if world > 1 and not dist.is_initialized():
-            raise RuntimeError("under torchrun, initialise torch.distributed before the vLLM engine")
+        _check_ranks(world, tp)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        path = model_path or getattr(getattr(base, "config", None), "_name_or_path", None)
+        config = getattr(base, "config", None)
+        path = model_path or getattr(config, "_name_or_path", None)
         if not path:
             raise UserError(
                 "the vLLM engine loads the architecture from the model's directory, and this model "
@@ -237,44 +221,22 @@ class VLLMEngine(SamplesOnSubmit):
         if dtype == "auto":
             dtype = str(getattr(base, "dtype", torch.float32)).removeprefix("torch.")
         log.info("vLLM engine: %s, dtype %s, sleep level %d", path, dtype, sleep_level)
-
-        self._owns_group = False
-        self._set_env = [k for k in ("RANK", "LOCAL_RANK") if k not in os.environ]
-        if world == 1:
-            # external_launcher reads RANK/LOCAL_RANK; with the group already there it creates none.
-            # close() removes what is set here, so a later `opsd train` in this process is not
-            # mistaken for a half-configured torchrun rank.
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("LOCAL_RANK", "0")
-            if not dist.is_initialized():
-                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-                self._owns_group = True
-        self._tp_group, self._tp_rank = None, 0
-        if tp > 1:  # vLLM's layout puts TP innermost: groups of consecutive ranks
-            groups = [list(range(s, s + tp)) for s in range(0, world, tp)]
-            self._tp_group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
-            self._tp_rank = dist.get_rank() % tp
-
+        self._join_group(world, tp)
         self.model, self.tokenizer = model, tokenizer
         self.sleep_level, self.asleep, self._reload_on_wake = sleep_level, False, False
-        self.vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
-        cuda = torch.cuda.is_available() and not current_platform.is_cpu()
-        self._cuda = None
-        if cuda:
-            on_cuda = device is not None and device.type == "cuda"
-            self._cuda = device if on_cuda else torch.device("cuda", torch.cuda.current_device())
-        llm_kwargs = dict(llm_kwargs or {})
-        sized = "kv_cache_memory_bytes" in llm_kwargs or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
-        if gpu_memory_utilization is None and current_platform.is_cpu() and not sized:
-            kv = cpu_kv_cache_bytes(getattr(base, "config", None), dtype, max_num_seqs, max_model_len)
-            if kv:
-                llm_kwargs["kv_cache_memory_bytes"] = kv
-                if rank_world()[0] == 0:
-                    print(
-                        f"vLLM on the CPU: a {kv / 2**30:.2f} GiB KV cache for {max_num_seqs} sequences of "
-                        f"{max_model_len} tokens (set rollout.gpu_memory_utilization for a share of the RAM)",
-                        file=sys.stderr,
-                    )
+        self.vocab_size = getattr(config, "vocab_size", None)
+        self._device = vllm_device(device)
+        # The CPU plan's (by default this device's): a KV cache sized to the batch on a CPU.
+        plan = plan if plan is not None else default_plan(self._device, None, engine="vllm")
+        user = dict(llm_kwargs or {})
+        sized = plan.engine_settings().vllm_kwargs(
+            config,
+            dtype,
+            max_num_seqs,
+            max_model_len,
+            llm_kwargs=user,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
         kwargs = dict(
             model=str(path),
             tokenizer=str(path),
@@ -288,13 +250,31 @@ class VLLMEngine(SamplesOnSubmit):
             enable_sleep_mode=sleep_level > 0,
             logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled
         )
-        kwargs.update(llm_kwargs)
         self._vllm = vllm
-        with _rng_scope(None, self._cuda):  # LLM() reseeds the global generators
-            self.llm = vllm.LLM(**kwargs)
+        with _rng_scope(None, self._device):  # LLM() reseeds the global generators
+            self.llm = vllm.LLM(**(kwargs | sized | user))  # what rollout.vllm_kwargs sets stands
         self._vllm_params, self._packed = self.llm.apply_model(_vllm_param_info)[0]
         self._loaded_whole = None  # the model whose every weight vLLM holds now
         self._load(model)  # also checks coverage now rather than after the first training step
+
+    def _join_group(self, world: int, tp: int) -> None:
+        """The process group the engine runs in, and its tensor-parallel group. In one process
+        external_launcher reads RANK/LOCAL_RANK and, with a group already there, creates none: both
+        are set here (and removed by close(), so a later `opsd train` in this process is not taken
+        for a half-configured torchrun rank), with a one-rank gloo group where none exists."""
+        self._owns_group = False
+        self._set_env = [k for k in ("RANK", "LOCAL_RANK") if k not in os.environ]
+        if world == 1:
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("LOCAL_RANK", "0")
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                self._owns_group = True
+        self._tp_group, self._tp_rank = None, 0
+        if tp > 1:  # vLLM's layout puts TP innermost: groups of consecutive ranks
+            groups = [list(range(s, s + tp)) for s in range(0, world, tp)]
+            self._tp_group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+            self._tp_rank = dist.get_rank() % tp
 
     # -- weights -----------------------------------------------------------------------------
 
@@ -365,8 +345,7 @@ class VLLMEngine(SamplesOnSubmit):
         self.asleep, self._reload_on_wake = False, False
 
     def _empty_cache(self) -> None:
-        if self._cuda is not None:
-            torch.cuda.empty_cache()
+        empty_cache(self._device)
 
     def close(self) -> None:
         """Shuts the engine down and frees its memory (and the process group it created, if any)."""
@@ -383,8 +362,7 @@ class VLLMEngine(SamplesOnSubmit):
             destroy_distributed_environment()  # vLLM's world group and the default group made here
         for k in getattr(self, "_set_env", ()):
             os.environ.pop(k, None)
-        if self._cuda is not None:
-            torch.cuda.empty_cache()
+        empty_cache(self._device)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -426,7 +404,7 @@ class VLLMEngine(SamplesOnSubmit):
 
     def _generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        with _rng_scope(seed, self._cuda):
+        with _rng_scope(seed, self._device):
             outs = self.llm.generate(
                 [{"prompt_token_ids": list(p)} for p in prompts],
                 self._sampling_params(n, params),
