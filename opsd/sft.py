@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from opsd.config import DeviceSetting
-from opsd.cpu import default_plan
+from opsd.config import CpuTuning, DeviceSetting
+from opsd.cpu import CpuPlan, default_plan
 from opsd.data import DEFAULT_INSTRUCTION, student_prompt_ids
 from opsd.data.batching import pad_right, response_positions
 from opsd.models import final_hidden, head_weight
@@ -59,6 +59,7 @@ def sft(
     desc: str = "sft",
     callback: Callable[[int, float], None] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    plan: CpuPlan | None = None,
 ) -> list[float]:
     """Train ``model`` in place on random batches of ``pairs``; returns the per-step mean token loss.
 
@@ -67,6 +68,8 @@ def sft(
     ``callback(step, loss)`` (called after every step) rather than calling ``sft`` in pieces: each call
     restarts the warmup and the decay. ``grad_clip``: max global grad norm, 0 disables clipping.
     ``autocast_dtype``: compute the forward in this dtype over the model's (float32 master) weights.
+    ``plan``: the CPU plan (default: the ``cpu`` section's defaults for this device), whose width
+    buckets pad each batch.
     """
     if not pairs:
         raise ValueError("sft: no (prompt, response) pairs to train on")
@@ -82,7 +85,8 @@ def sft(
         min_ratio=min_lr_ratio,
     )
     # Widths in buckets where the CPU's bf16 attention keeps a kernel per length (the CPU plan's).
-    bucket = default_plan(device, autocast_dtype or next(model.parameters()).dtype).bucket_widths
+    plan = plan or default_plan(device, autocast_dtype or next(model.parameters()).dtype)
+    bucket = plan.bucket_widths
     rng = random.Random(seed)
     model.train()
     losses = []
@@ -158,6 +162,7 @@ class SFTConfig(BaseModel):
     model: SFTModelConfig
     data: SFTDataConfig
     optim: SFTOptimConfig = SFTOptimConfig()
+    cpu: CpuTuning = CpuTuning()  # the CPU mechanisms, as `opsd train`'s cpu section (docs/cpu.md)
 
     @model_validator(mode="before")
     @classmethod
@@ -223,6 +228,7 @@ def sft_pairs_from_examples(
 
 def run_sft(args: argparse.Namespace) -> int:
     from opsd.config import load_config
+    from opsd.cpu import resolve_plan
     from opsd.data import load_examples
     from opsd.devices import resolve_device
     from opsd.eval.cli import flag_overrides
@@ -255,6 +261,7 @@ def run_sft(args: argparse.Namespace) -> int:
         grad_clip=o.grad_clip,
         weight_decay=o.weight_decay,
         autocast_dtype=prec.compute if prec.mixed else None,
+        plan=resolve_plan(cfg.cpu, device, prec.compute),
     )
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -327,3 +327,30 @@ def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     assert "device" in err and "cuda:N" in err  # opsd.devices' spelling check, as for `opsd train`
     if not torch.cuda.is_available():
         assert "device=cpu" in _cli_error(capsys, ["eval", *model, "--data", good, "--device", "cuda"])
+
+
+def test_cli_takes_the_cpu_section(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    """`opsd eval` reads training's ``cpu`` section: its plan lays the weights out and tunes the engine
+    (``cpu.tuning: off`` is the plain path), and a mistyped key is refused."""
+    import opsd.eval.cli as eval_cli
+    from opsd.config import load_config
+    from opsd.eval import EvalCommandConfig
+
+    plans = []
+    real = eval_cli.make_engine
+
+    def spy(*a, **kw):
+        plans.append(kw["plan"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(eval_cli, "make_engine", spy)
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    argv = ["eval", "--model", str(tiny_model_dir), "--data", str(data)]
+    keys = ["rollout.max_new_tokens=2", "data.limit=1", "device=cpu"]
+    assert main([*argv, "--out", str(tmp_path / "auto"), *keys]) == 0
+    assert main([*argv, "--out", str(tmp_path / "off"), *keys, "cpu.tuning=off"]) == 0
+    auto, off = plans
+    assert not auto.empty and auto.static_cache and not auto.pack_rows  # nothing trains: nothing packed
+    assert off.empty and "cpu.tuning=off" in off.notes
+    with pytest.raises(UserError, match=r"cpu\.tunning"):
+        load_config(None, ["model.path=m", "data.path=d", "cpu.tunning=off"], schema=EvalCommandConfig)

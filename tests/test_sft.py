@@ -94,3 +94,26 @@ def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     assert "device" in err and "cuda:N" in err  # opsd.devices' spelling check, as for `opsd train`
     if not torch.cuda.is_available():
         assert "device=cpu" in _cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "device=cuda"])
+
+
+def test_cli_takes_the_cpu_section(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    """`opsd sft` reads training's ``cpu`` section: the plan it trains under is the section's."""
+    import opsd.sft as sft_mod
+
+    plans = []
+    real = sft_mod.sft
+
+    def spy(*a, **kw):
+        plans.append(kw["plan"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sft_mod, "sft", spy)
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(f"model:\n  path: {tiny_model_dir}\ndata:\n  path: {_data(tmp_path)}\n  instruction: ''\n")
+    keys = ["optim.max_steps=1", "optim.batch_size=2", "device=cpu", "model.dtype=bfloat16"]
+    assert main(["sft", "--config", str(cfg), "--out", str(tmp_path / "a"), *keys]) == 0
+    assert (
+        main(["sft", "--config", str(cfg), "--out", str(tmp_path / "b"), *keys, "cpu.bucket_widths=false"])
+        == 0
+    )
+    assert plans[0].bucket_widths and not plans[1].bucket_widths

@@ -19,17 +19,20 @@ from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from torch import nn
 
-from opsd.config import DeviceSetting
-from opsd.cpu import apply_plan, default_plan
+from opsd.config import CpuTuning, DeviceSetting, RolloutConfig
+from opsd.cpu import CpuPlan, apply_plan, resolve_plan
 from opsd.data import DEFAULT_INSTRUCTION, load_examples
-from opsd.devices import machine_info, resolve_device
+from opsd.devices import empty_cache, machine_info, resolve_device
 from opsd.errors import UserError
 from opsd.eval.loop import EvalResult, check_settings, evaluate_model
 from opsd.grading import GRADERS, Grader, grade
 from opsd.models import load_model, load_tokenizer, resolve_model_path
 from opsd.precision import dtype_name
 from opsd.precision import resolve as resolve_precision
+from opsd.rollout.base import RolloutEngine
+from opsd.rollout.make import make_engine
 
 
 def _labels(models: list[str]) -> list[str]:
@@ -117,11 +120,14 @@ def evaluate(
     out_dir: Path | None = None,
     progress: bool = False,
     grader: Grader = grade,
+    cpu: CpuTuning | None = None,
 ) -> dict[str, EvalResult]:
     """Evaluate one or more models (paths or fetched short names) on a data file; returns label -> result.
 
     Called by :func:`run_eval` (`opsd eval`) and from Python. Models are loaded one at a time. With
     out_dir, writes <label>.items.jsonl, <label>.summary.json and a combined summary.json there.
+    ``cpu``: the ``cpu`` section (:class:`opsd.config.CpuTuning`; default its defaults), whose plan
+    lays the weights out and tunes the engine on a CPU as training's does.
     """
     models = [model] if isinstance(model, str) else list(model)
     if not models:
@@ -145,30 +151,14 @@ def evaluate(
     dev = resolve_device(device)
     # The trainer's resolver: auto is bf16 where the device has bf16 matrix units (OPSD_CPU_BF16 on a CPU).
     compute = resolve_precision(dtype or "auto", dev, full_finetune=False).compute
-    dtype = dtype_name(compute)
-
-    from opsd.config import RolloutConfig
-    from opsd.rollout.make import make_engine
-
+    # Nothing trains here: rows are never packed, every weight is laid out for decoding.
+    plan = replace(resolve_plan(cpu or CpuTuning(), dev, compute, engine=engine), pack_rows=False)
+    rollout = RolloutConfig(  # eval never sleeps; one engine per model, closed after it
+        engine=engine, batch_size=batch_size, max_new_tokens=max_new_tokens, vllm_sleep_level=0
+    )
     results: dict[str, EvalResult] = {}
     for name, label, tok in zip(models, _labels(models), tokenizers, strict=True):
-        # vLLM loads its own copy from the path; the HF copy on CPU only feeds the initial weight sync.
-        hf_model = load_model(name, dtype=dtype, device="cpu" if engine == "vllm" else str(dev))
-        if engine == "hf":  # nothing trains here: the CPU plan lays every weight out for decoding
-            plan = replace(default_plan(dev, compute), pack_rows=False)
-            apply_plan(plan, hf_model.requires_grad_(False), params=0)
-        # eval never sleeps; one engine per model, closed after it
-        rollout = RolloutConfig(
-            engine=engine, batch_size=batch_size, max_new_tokens=max_new_tokens, vllm_sleep_level=0
-        )
-        eng = make_engine(
-            rollout,
-            hf_model,
-            tok,
-            seed=seed,
-            max_prompt_len=max_prompt_len,
-            model_path=str(resolve_model_path(name)) if engine == "vllm" else None,
-        )
+        hf_model, eng = _load_for_eval(name, tok, rollout, dev, compute, plan, seed, max_prompt_len)
         res = evaluate_model(
             hf_model,
             tok,
@@ -187,30 +177,67 @@ def evaluate(
             progress=progress,
             grader=grader,
         )
-        res.settings.update(device=str(dev), dtype=dtype)
+        res.settings.update(device=str(dev), dtype=dtype_name(compute))
         results[label] = res
         if out_dir is not None:
             extra = {"model": name, "data": str(data), "rows_in_file": len(report.examples)}
             write_outputs(res, Path(out_dir), label, extra)
         eng.close()
         del eng, hf_model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
+        empty_cache(dev)
     if out_dir is not None:
-        combined = {
-            "data": str(data),
-            "answer_key": answer_key,
-            "problem_key": problem_key,
-            "machine": machine_info(),
-            "created": datetime.now().isoformat(timespec="seconds"),
-            "models": {
-                label: {"model": m, **r.summary()}
-                for (label, r), m in zip(results.items(), models, strict=True)
-            },
-        }
-        _write_json(Path(out_dir) / "summary.json", combined)
+        _write_summary(Path(out_dir), results, models, data, answer_key, problem_key)
     return results
+
+
+def _load_for_eval(
+    name: str,
+    tok,
+    rollout: RolloutConfig,
+    dev: torch.device,
+    compute: torch.dtype,
+    plan: CpuPlan,
+    seed: int,
+    max_prompt_len: int | None,
+) -> tuple[nn.Module, RolloutEngine]:
+    """One model and its engine, under the CPU plan. vLLM loads its own copy from the path; the HF copy
+    then stays on the CPU and only feeds the initial weight sync."""
+    vllm = rollout.engine == "vllm"
+    hf_model = load_model(name, dtype=dtype_name(compute), device="cpu" if vllm else str(dev))
+    if not vllm:
+        apply_plan(plan, hf_model.requires_grad_(False), params=0)
+    eng = make_engine(
+        rollout,
+        hf_model,
+        tok,
+        seed=seed,
+        max_prompt_len=max_prompt_len,
+        model_path=str(resolve_model_path(name)) if vllm else None,
+        plan=plan,
+    )
+    return hf_model, eng
+
+
+def _write_summary(
+    out_dir: Path,
+    results: dict[str, EvalResult],
+    models: list[str],
+    data: str,
+    answer_key: str,
+    problem_key: str,
+) -> None:
+    """The combined summary.json: every model's summary beside the data and the machine."""
+    combined = {
+        "data": str(data),
+        "answer_key": answer_key,
+        "problem_key": problem_key,
+        "machine": machine_info(),
+        "created": datetime.now().isoformat(timespec="seconds"),
+        "models": {
+            label: {"model": m, **r.summary()} for (label, r), m in zip(results.items(), models, strict=True)
+        },
+    }
+    _write_json(out_dir / "summary.json", combined)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,6 +295,7 @@ class EvalCommandConfig(BaseModel):
     model: EvalModelConfig
     data: EvalDataConfig
     rollout: EvalRolloutConfig = EvalRolloutConfig()
+    cpu: CpuTuning = CpuTuning()  # the CPU mechanisms, as `opsd train`'s cpu section (docs/cpu.md)
 
     @model_validator(mode="before")
     @classmethod
@@ -412,6 +440,7 @@ def run_eval(args: argparse.Namespace) -> int:
         out_dir=out,
         progress=True,
         grader=GRADERS[cfg.grader],
+        cpu=cfg.cpu,
     )
     print(format_table(results))
     print(f"wrote {out}/summary.json and per-item JSONL")
