@@ -177,3 +177,79 @@ def vllm_device(device: torch.device | None) -> torch.device:
     if device is not None and device.type == "cuda":
         return device
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def use_device(dev: torch.device) -> torch.device:
+    """Make ``cuda:N`` the current CUDA device of this process; returns ``dev``. Without it, one
+    process on cuda:1 keeps cuda:0 as current: step timers, the CUDA RNG state in checkpoints and
+    vLLM's engine would go to cuda:0."""
+    import torch
+
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def process_group_args(dev: torch.device) -> dict[str, Any]:
+    """``init_process_group``'s backend for ranks on ``dev``: NCCL for CUDA tensors beside gloo for CPU
+    ones (``dev`` made the current device first), gloo alone on a CPU."""
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        return {"backend": "cpu:gloo,cuda:nccl", "device_id": dev}
+    return {"backend": "gloo"}
+
+
+def collective_device(backend_types: set[str]) -> torch.device:
+    """Where a tensor goes for a collective its own device's backend cannot run: the current CUDA
+    device where the backend takes CUDA tensors, else the CPU."""
+    import torch
+
+    if "cuda" in backend_types:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mesh_device(device_type: str) -> torch.device:
+    """This process's device of a mesh's ``device_type``: the current CUDA device, or that type's."""
+    import torch
+
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def offloads_to_host(device: torch.device) -> bool:
+    """Whether weights on ``device`` can be offloaded to host memory (FSDP's CPU offload): a GPU's; a
+    CPU's are there already."""
+    return device.type == "cuda"
+
+
+def on_cuda(tensors: list) -> bool:
+    """Whether every tensor (FSDP2's DTensors included) lives on a CUDA device; False for none."""
+    return bool(tensors) and all(t.is_cuda for t in tensors)
+
+
+def torch_build() -> str:
+    """Which accelerator this torch was built for: CUDA, ROCm or none."""
+    import torch
+
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda} build"
+    if getattr(torch.version, "hip", None):
+        return f"ROCm {torch.version.hip} build"
+    return "CPU-only build"
+
+
+def gpus_line() -> str:
+    """The visible GPUs with their memory, or why there are none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "none (CPU-only torch build)" if torch.version.cuda is None else "none visible"
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        gpus.append(f"cuda:{i} {props.name} {props.total_memory / 2**30:.1f} GiB")
+    return f"{len(gpus)}: " + "; ".join(gpus)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from opsd.devices import resolve_device
+from opsd.devices import collective_device, process_group_args, resolve_device, use_device
 from opsd.errors import UserError
 
 if TYPE_CHECKING:
@@ -97,11 +97,7 @@ def init_distributed(device: str, *, replicate: int = 1, timeout_s: float | None
     dev = resolve_device(device, local_rank=env["LOCAL_RANK"])
     if not _initialized():
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-            dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=dev, **kwargs)
-        else:
-            dist.init_process_group(backend="gloo", **kwargs)
+        dist.init_process_group(**process_group_args(dev), **kwargs)
     d = Dist(
         rank=env["RANK"],
         world_size=env["WORLD_SIZE"],
@@ -110,15 +106,6 @@ def init_distributed(device: str, *, replicate: int = 1, timeout_s: float | None
         device=dev,
     )
     return replace(d, mesh=build_mesh(d, replicate=replicate))
-
-
-def use_device(dev: torch.device) -> torch.device:
-    """Make ``cuda:N`` the current CUDA device of this process; returns ``dev``. Without it, one
-    process on cuda:1 keeps cuda:0 as current: step timers, the CUDA RNG state in checkpoints and
-    vLLM's engine would go to cuda:0."""
-    if dev.type == "cuda" and dev.index is not None:
-        torch.cuda.set_device(dev)
-    return dev
 
 
 def shutdown() -> None:
@@ -212,7 +199,7 @@ def _all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType) -> Tensor:
     if t.device.type in devices:
         dist.all_reduce(t, op=op)
         return t
-    moved = t.to(torch.device("cuda", torch.cuda.current_device()) if "cuda" in devices else "cpu")
+    moved = t.to(collective_device(devices))
     dist.all_reduce(moved, op=op)
     return t.copy_(moved)
 

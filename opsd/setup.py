@@ -27,7 +27,7 @@ from opsd.config import Config, resolve_engine
 from opsd.data import DataCursor, Example, PromptBuilder, load_examples
 from opsd.data.controls import apply_solution_source
 from opsd.data.sources import take_rows
-from opsd.devices import check_compiler, resolve_device
+from opsd.devices import check_compiler, resolve_device, use_device
 from opsd.errors import UserError
 from opsd.grading import as_grade, resolve_grader
 from opsd.loss import DistillSpec, LossStats
@@ -381,7 +381,7 @@ def build(
 ) -> RunParts:
     """The run's parts, in the order they need each other; a failure on any rank ends every rank.
     ``dist``: this process's place among torchrun's ranks; without it one process on ``cfg.device``."""
-    dist = dist or distributed.Dist(device=distributed.use_device(resolve_device(cfg.device)))
+    dist = dist or distributed.Dist(device=use_device(resolve_device(cfg.device)))
     prec = _precision(cfg, dist)
     # rollout.engine resolved once (auto: vLLM where installed); every part below takes the kind.
     kind, chosen = resolve_engine(cfg.rollout.engine)

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from opsd.devices import offloads_to_host
 from opsd.errors import UserError
 from opsd.models import base_model, check_plain_head, load_model, load_tokenizer
 from opsd.parallel import forward_hidden, full_head_weight, is_sharded, reshard
@@ -68,7 +69,7 @@ class Teacher:
                 base_model(student), copy_dtype, torch.device("cpu") if host else None
             )
             if frozen_copy == "cpu" and sharded:
-                self.offload_shards = self.model.device.type == "cuda"  # FSDP's CPU offload is for GPU runs
+                self.offload_shards = offloads_to_host(self.model.device)  # FSDP's CPU offload: GPU runs
             elif host:
                 self.offload = True
                 self.model.to("cpu")  # the buffers (the parameters are there already)

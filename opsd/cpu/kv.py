@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from opsd.errors import UserError
@@ -73,40 +73,43 @@ def colocated_kv_kwargs(
     return {"kv_cache_memory_bytes": kv}
 
 
-def serve_flags(args: argparse.Namespace, dtype: str, extra: list[str]) -> tuple[list[str], str | None]:
+def serve_flags(
+    args: argparse.Namespace, dtype: str, *, given: Callable[[str], str | None], config: Callable[[], Any]
+) -> tuple[list[str], str | None]:
     """``opsd serve``'s flags for vLLM's CPU build, none where CUDA runs it; with the line that says
-    what was sized. Eager (a compiled graph may keep stale prepacked weights) and whole prefills:
-    vLLM 0.32's CPU runner rewinds a seeded request's generator when a chunked prefill discards a
-    sample (gpu_model_runner._bookkeeping_sync: gen.set_offset), which CPU generators do not support,
-    and the engine dies."""
+    what was sized. ``given(flag)``: what ``--vllm-args`` sets it to; ``config()``: the model's config.
+    Eager (a compiled graph may keep stale prepacked weights) and whole prefills: vLLM 0.32's CPU
+    runner rewinds a seeded request's generator when a chunked prefill discards a sample
+    (gpu_model_runner._bookkeeping_sync: gen.set_offset), which CPU generators do not support, and
+    the engine dies."""
     import torch
 
     if torch.cuda.is_available():
         return [], None
-    kv, line = serve_kv_args(args, dtype, extra)
+    kv, line = serve_kv_args(args, dtype, given=given, config=config)
     return ["--enforce-eager", "--no-enable-chunked-prefill", *kv], line
 
 
-def serve_kv_args(args: argparse.Namespace, dtype: str, extra: list[str]) -> tuple[list[str], str | None]:
+def serve_kv_args(
+    args: argparse.Namespace, dtype: str, *, given: Callable[[str], str | None], config: Callable[[], Any]
+) -> tuple[list[str], str | None]:
     """On a CPU vLLM reserves ``gpu_memory_utilization`` (0.92 by default) of the machine's RAM for its
     KV cache, which fails beside a trainer: size it instead, as the colocated engine does, to hold
     ``--max-num-seqs`` sequences of ``--max-model-len`` tokens, and cap vLLM's scheduler at that many.
     What ``--vllm-args`` sets stands. Returns the flags to add and the line that says what was sized."""
-    from opsd.rollout.serve import model_config, vllm_flag
-
-    if vllm_flag(extra, "--kv-cache-memory-bytes") or vllm_flag(extra, "--gpu-memory-utilization"):
+    if given("--kv-cache-memory-bytes") or given("--gpu-memory-utilization"):
         return [], None
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return [], None
     added: list[str] = []
-    config = model_config(str(args.model))
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    length = vllm_flag(extra, "--max-model-len") or args.max_model_len
+    loaded = config()
+    text = loaded.get_text_config() if hasattr(loaded, "get_text_config") else loaded
+    length = given("--max-model-len") or args.max_model_len
     if length is None:
         longest = getattr(text, "max_position_embeddings", None) or SERVE_CPU_MAX_MODEL_LEN
         length = min(SERVE_CPU_MAX_MODEL_LEN, int(longest))
         added += ["--max-model-len", str(length)]
-    seqs = vllm_flag(extra, "--max-num-seqs")
+    seqs = given("--max-num-seqs")
     if seqs is None:
         seqs = args.max_num_seqs
         added += ["--max-num-seqs", str(seqs)]

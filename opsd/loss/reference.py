@@ -26,16 +26,16 @@ def kernel_precision(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(first: Tensor, *args, **kwargs):
-        cuda = first.device.type == "cuda"
-        prev = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction if cuda else None
+        # The flag governs CUDA's products only: set and restored on every device, it changes
+        # nothing on a CPU.
+        matmul = torch.backends.cuda.matmul
+        prev = matmul.allow_bf16_reduced_precision_reduction
         try:
-            if cuda:
-                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+            matmul.allow_bf16_reduced_precision_reduction = False
             with torch.autocast(first.device.type, enabled=False):
                 return fn(first, *args, **kwargs)
         finally:
-            if cuda:
-                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = prev
+            matmul.allow_bf16_reduced_precision_reduction = prev
 
     return wrapper  # type: ignore[return-value]
 

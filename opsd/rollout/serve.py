@@ -13,6 +13,7 @@ import json
 import os
 import shlex
 import sys
+from functools import partial
 from pathlib import Path
 
 from opsd.cpu.kv import SERVE_CPU_MAX_MODEL_LEN, serve_flags
@@ -83,7 +84,8 @@ def serve_command(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     ]
     if args.max_model_len is not None:
         cmd += ["--max-model-len", str(args.max_model_len)]
-    cpu_flags, line = serve_flags(args, dtype, extra)  # vLLM's CPU build: eager, whole prefills, its cache
+    given, config = partial(vllm_flag, extra), partial(model_config, str(args.model))
+    cpu_flags, line = serve_flags(args, dtype, given=given, config=config)  # vLLM's CPU build's flags
     cmd += cpu_flags
     if line:
         notes.append(line)
