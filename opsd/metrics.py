@@ -60,9 +60,11 @@ STEP_KEYS = (
     "peak_mem_gb",
 )
 # Written only when measured: the rollout/trainer log-prob gap (rollout.logprob_check), GRPO's reward,
-# the rollouts' policy lag (rollout.overlap), RLSD's teacher share and token weights (objective=rlsd).
+# the rollouts' policy lag (rollout.overlap), RLSD's teacher share and token weights (objective=rlsd),
+# and with rollout.reuse the response tokens generated at the step (0 where it reused) and whether it did.
 RLSD_KEYS = ("rlsd_lambda", "rlsd_weight_mean", "rlsd_weight_clip_frac")
-OPTIONAL_KEYS = ("logprob_gap", "reward_mean", "flat_group_frac", "policy_lag", *RLSD_KEYS)
+REUSE_KEYS = ("rollout/generated_tokens", "rollout/reused")
+OPTIONAL_KEYS = ("logprob_gap", "reward_mean", "flat_group_frac", "policy_lag", *RLSD_KEYS, *REUSE_KEYS)
 
 
 def step_record(

@@ -173,7 +173,8 @@ class Trainer:
         )
         lag = {"policy_lag": out.policy_lag} if self.cfg.rollout.overlap else {}
         anchor = {"sft_loss": total["sft_loss"]} if "sft_loss" in total else {}
-        return rec | self.objective.metrics(total) | lag | anchor
+        reuse = self.queue.observe(rec)  # rollout.reuse: generated tokens, reused or not
+        return rec | self.objective.metrics(total) | lag | anchor | reuse
 
     # ------------------------------------------------------------------------------------------
     # The loop

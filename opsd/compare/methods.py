@@ -106,7 +106,8 @@ def _spent(metrics_path: Path, responses_per_step: int) -> tuple[int, float, int
     for line in metrics_path.read_text().splitlines():
         rec = json.loads(line)
         if "time_step" in rec:
-            tokens += round(rec["resp_len_mean"] * responses_per_step)
+            # rollout.reuse counts what was generated, not what was trained on
+            tokens += rec.get("rollout/generated_tokens", round(rec["resp_len_mean"] * responses_per_step))
             seconds += rec["time_step"]
             scored += int(rec.get("tokens", 0))
     return tokens, seconds, scored

@@ -2,7 +2,9 @@
 
 With ``rollout.overlap`` the next step's responses are requested before this step trains, so the
 servers sample them meanwhile; they are collected before the weights move (one step of policy lag)
-and saved with a checkpoint, so a resume trains on what the run would have.
+and saved with a checkpoint, so a resume trains on what the run would have. With ``rollout.reuse``
+the responses of several steps are generated at once and stored in the run directory
+(:mod:`opsd.rollout.reuse`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from typing import Any
 
 from opsd import distributed
 from opsd.cpu import CpuPlan
+from opsd.data.sampler import DataCursor
 from opsd.errors import EngineError
 from opsd.rollout.base import Completion, RolloutEngine, SamplingParams
+from opsd.rollout.reuse import RolloutReuse
 
 
 @dataclass
@@ -54,6 +58,7 @@ class RolloutQueue:
         self.max_steps = cfg.optim.max_steps
         self.plan = plan or CpuPlan()
         self.pending: Pending | None = None  # rollout.overlap: the next step's rollouts, in flight
+        self.reuse = RolloutReuse.from_config(cfg, dist.rank)  # rollout.reuse: the stored rollouts
 
     def next(self, step: int, timer) -> tuple[list[int], list, list[Completion], float]:
         """``step``'s problems (example indices and prompt pairs), their responses, and the responses'
@@ -62,8 +67,12 @@ class RolloutQueue:
         if not self.cfg.overlap and self.pending is None:
             ex_idx, prompts = self.draw()
             with timer("rollout"):
-                completions = self.call(lambda: self.generate([s for s, _ in prompts], step=step))
-            return ex_idx, prompts, completions, 0.0
+                if self.reuse is None:
+                    completions = self.call(lambda: self.generate([s for s, _ in prompts], step=step))
+                    lag = 0.0
+                else:  # rollout.reuse: stored by an earlier step, or generated now for several
+                    completions, lag = self.reuse.rollouts(self, step, ex_idx, prompts)
+            return ex_idx, prompts, completions, lag
         pending, lag = self.pending, 1.0
         if pending is None:  # the first step, or a resume without one: nothing was requested ahead
             pending, lag = self.request(step), 0.0
@@ -85,8 +94,9 @@ class RolloutQueue:
             raise err if err is not None else EngineError(f"rank {found[0]}: {found[1]}")
         return result
 
-    def draw(self) -> tuple[list[int], list]:
-        ex_idx = self.cursor.next_indices(self.per_rank)
+    def draw(self, cursor: DataCursor | None = None) -> tuple[list[int], list]:
+        """The next step's problems from ``cursor`` (the live one by default) and their prompt pairs."""
+        ex_idx = (cursor or self.cursor).next_indices(self.per_rank)
         return ex_idx, [self.prompts(i, self.examples[i]) for i in ex_idx]
 
     def request(self, step: int) -> Pending:
@@ -100,6 +110,10 @@ class RolloutQueue:
             pending.completions = self.engine.collect(pending.handle)
             pending.handle = None
         return pending.completions
+
+    def observe(self, rec: dict) -> dict:
+        """The step's ``rollout.reuse`` metrics (none without it), given its record ``rec``."""
+        return self.reuse.observe(rec) if self.reuse is not None else {}
 
     def settle(self) -> None:
         """Every rollout requested ahead is sampled before the weights move."""
