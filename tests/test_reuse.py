@@ -3,8 +3,11 @@ run directory and read back by the steps in between and by a resume (opsd/rollou
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
-from helpers import build_assets, make_cfg
+from helpers import build_assets, make_cfg, spawn
 
 from opsd import Trainer, load_config
 from opsd.errors import UserError
@@ -169,3 +172,30 @@ def test_the_startup_line_names_the_setting(assets, tmp_path, capsys):
     Trainer(make_cfg(assets, tmp_path / "run", **{"rollout.reuse.refresh_every": 4}))
     err = capsys.readouterr().err
     assert "rollout reuse: rollouts generated every 4 steps and reused in between" in err
+
+
+def _two_ranks_worker(d, paths: dict, root: str) -> None:
+    over = {"rollout.reuse.refresh_every": 2, "optim.max_steps": 4}
+    Trainer(make_cfg(paths, Path(root) / "full", **over), dist=d).train()
+    Trainer(make_cfg(paths, Path(root) / "part", **over), dist=d).train(until_step=1)
+    Trainer(make_cfg(paths, Path(root) / "part", **over), resume=True, dist=d).train()
+
+
+@pytest.mark.slow
+def test_two_ranks_store_their_own_rollouts_and_agree_when_to_refresh(assets, tmp_path):
+    spawn(_two_ranks_worker, assets, str(tmp_path))
+    recs = {}
+    for name in ("full", "part"):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        recs[name] = [json.loads(x) for x in lines]
+    full = recs["full"]
+    assert [r["rollout/reused"] for r in full] == [0, 1, 0, 1]
+    made = []
+    for t in range(4):
+        files = [tmp_path / "full" / "rollouts" / f"step_{t:06d}-rank{rank}.jsonl" for rank in (0, 1)]
+        rows = [json.loads(x) for f in files for x in f.read_text().splitlines()[1:]]
+        made.append(sum(len(row[1]) for row in rows))
+    # a refresh counts what both ranks generated for the two steps it covers; a reused step nothing
+    assert [r["rollout/generated_tokens"] for r in full] == [made[0] + made[1], 0, made[2] + made[3], 0]
+    for key in ("loss", "divergence", "rollout/reused", "rollout/generated_tokens"):
+        assert [r[key] for r in recs["part"]] == [r[key] for r in full], key

@@ -5,9 +5,11 @@ step on a CPU, runs once per refresh instead of once per step.
 At a refresh step s the engine, holding the weights of step s, generates the rollouts of every step
 in [s, s + refresh_every): each for the problems that step draws anyway and with that step's own seed
 (:meth:`~opsd.rollout.queue.RolloutQueue.sampling`), so data order and seeds are those of a run without
-reuse, and ``refresh_every=1`` is exactly that run. ``inf`` generates every step's rollouts at step 0:
-only step 0 sees the initial student, since the engine follows the live weights (the HF engine shares
-the trainer's model, and held-out evaluation generates on the engine too).
+reuse, and ``refresh_every=1`` is exactly that run (the prompts of the steps ahead are built at the
+refresh, so ``prompt_truncated_*`` counts a cut prompt then rather than at its own step). ``inf``
+generates every step's rollouts at step 0: only step 0 sees the initial student, since the engine
+keeps following the live weights (the HF engine shares the trainer's model, and held-out evaluation
+generates on the engine too), so generating in chunks later would sample from a trained student.
 
 Each step's rollouts are one file, ``<run_dir>/rollouts/step_000123-rank0.jsonl``: a header (the
 problems, the student prompt ids, ``n`` and the sampling settings, seed included) and one line per
@@ -100,7 +102,8 @@ class RolloutReuse:
 
     def refresh(self, queue: RolloutQueue, step: int, key: dict) -> list[Completion]:
         """Generate and store the rollouts of the steps from ``step`` to the next refresh, each for the
-        problems a copy of the data cursor draws for it; return ``step``'s. The engine wakes once."""
+        problems a copy of the data cursor draws for it; return ``step``'s. The engine wakes once and
+        generates once per step: it takes one seed per call, and each step keeps its own."""
         ahead = copy.deepcopy(queue.cursor)  # the live cursor draws each step's problems when it runs
         k = self.refresh_every
         end = self.max_steps if k == "inf" else min(step + k, self.max_steps)
