@@ -88,9 +88,14 @@ class Trainer:
         ex_idx, prompts, completions, lag = self.queue.next(self.step_num, timer)
 
         # 3. Splice each response, token for token, after the student prompt and the teacher prompt.
-        rows = [(c, prompts[c.prompt_index], ex_idx[c.prompt_index]) for c in completions if c.token_ids]
-        lps = [c.logprobs if self.check_lp else None for c, _, _ in rows]
-        samples = [make_sample(*p, c.token_ids, i, c.finish_reason, lp) for (c, p, i), lp in zip(rows, lps)]
+        samples = []
+        for c in completions:
+            if not c.token_ids:
+                continue
+            student, teacher = prompts[c.prompt_index]
+            lp = c.logprobs if self.check_lp else None
+            sample = make_sample(student, teacher, c.token_ids, ex_idx[c.prompt_index], c.finish_reason, lp)
+            samples.append(sample)
         # What the objective reads from the rollouts as a whole (GRPO: rewards, group advantages).
         answers = [self.examples[i].answer for i in ex_idx]
         scores = self.objective.score(completions, answers, self.decode, step=self.step_num)
@@ -122,11 +127,19 @@ class Trainer:
         read = sum(n > 0 for n in lens)
         counted = torch.tensor([sum(lens), read], dtype=torch.float64)
         tokens, seqs = distributed.all_reduce_sum(counted).tolist()
-        counts = dict(reduction=self.spec.reduction, global_tokens=tokens, global_seqs=seqs)
-        counts["skip_end"] = skip_end
-        plan = dict(device=self.device, bucket=self.plan.bucket_widths, pack_from=self.plan.pack_from)
-        budget = dict(max_tokens=self.mb_tokens, min_real_frac=self.cfg.optim.min_real_token_frac)
-        batches = make_microbatches(samples, pad_id=self.pad_id, **budget, **counts, **plan)
+        batches = make_microbatches(
+            samples,
+            max_tokens=self.mb_tokens,
+            pad_id=self.pad_id,
+            reduction=self.spec.reduction,
+            global_tokens=tokens,
+            global_seqs=seqs,
+            device=self.device,
+            min_real_frac=self.cfg.optim.min_real_token_frac,
+            bucket=self.plan.bucket_widths,
+            pack_from=self.plan.pack_from,
+            skip_end=skip_end,
+        )
         return pad_microbatches(batches, self.pad_id, self.device)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -167,9 +180,15 @@ class Trainer:
     def record(self, out: StepOutputs) -> dict:
         """The step's metrics over all ranks (:func:`opsd.metrics.step_metrics`; every rank calls it)."""
         lr, epoch = self.scheduler.get_last_lr()[0], self.cursor.epoch
-        where = dict(device=self.device, rank=self.rank, world=self.world)
         rec, total = metrics.step_metrics(
-            out, step=self.step_num, lr=lr, prompt_truncated=self.prompts.truncated, epoch=epoch, **where
+            out,
+            step=self.step_num,
+            lr=lr,
+            prompt_truncated=self.prompts.truncated,
+            epoch=epoch,
+            device=self.device,
+            rank=self.rank,
+            world=self.world,
         )
         lag = {"policy_lag": out.policy_lag} if self.cfg.rollout.overlap else {}
         anchor = {"sft_loss": total["sft_loss"]} if "sft_loss" in total else {}

@@ -25,7 +25,7 @@ def test_vllm_wake_empties_torch_cache_before_each_wake_up(
     """vLLM allocates outside PyTorch's caching allocator: what the step reserved must be returned to
     the driver before vLLM asks for its weights, and again before its KV cache."""
     engine = vllm_engine(tiny_model, tiny_tokenizer)
-    engine._cuda = torch.device("cuda", 0)  # as on a GPU
+    engine._device = torch.device("cuda", 0)  # as on a GPU
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: fake_vllm.log.append(("empty_cache",)))
     engine.sleep()
     fake_vllm.log.clear()
