@@ -579,3 +579,20 @@ def test_a_trainer_frees_its_model_without_the_cycle_collector(assets, tmp_path,
         assert model() is None
     finally:
         gc.enable()
+
+
+def test_the_trainer_imports_at_most_ten_opsd_modules():
+    """The Trainer runs the parts opsd.setup builds: it names at most ten opsd modules, every
+    ``from opsd...``/``import opsd...`` line counted (``from opsd import a, b`` names two)."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(trainer_mod.__file__).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "opsd":
+            subs = [f"opsd.{a.name}" for a in node.names] if node.module == "opsd" else [node.module]
+            names.update(subs)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.split(".")[0] == "opsd")
+    assert len(names) <= 10, sorted(names)
