@@ -25,9 +25,10 @@ import copy
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -36,7 +37,23 @@ from opsd.rollout.base import Completion
 
 if TYPE_CHECKING:
     from opsd.config import Config
-    from opsd.rollout.queue import RolloutQueue
+
+
+class QueueView(Protocol):
+    """What the cache reads from :class:`opsd.rollout.queue.RolloutQueue`, which imports this module:
+    its rollout settings, engine, data cursor and CPU plan, and the draw, sampling and call it makes."""
+
+    cfg: Any
+    engine: Any
+    cursor: Any
+    plan: Any
+
+    def call(self, fn: Callable) -> Any: ...
+
+    def draw(self, cursor: Any = None) -> tuple[list[int], list]: ...
+
+    def sampling(self, step: int) -> Any: ...
+
 
 REUSE_DIR = "rollouts"  # under logging.run_dir
 
@@ -87,7 +104,7 @@ class RolloutReuse:
     # The step's rollouts
 
     def rollouts(
-        self, queue: RolloutQueue, step: int, ex_idx: list[int], prompts: list
+        self, queue: QueueView, step: int, ex_idx: list[int], prompts: list
     ) -> tuple[list[Completion], float]:
         """``step``'s responses for the problems ``queue`` drew (``ex_idx``, ``prompts``) and their age
         in optimizer steps: read from the cache, or from a refresh where any rank has none stored."""
@@ -100,7 +117,7 @@ class RolloutReuse:
             return completions, float(step - generated_at)
         return queue.call(lambda: self.refresh(queue, step, key)), 0.0
 
-    def refresh(self, queue: RolloutQueue, step: int, key: dict) -> list[Completion]:
+    def refresh(self, queue: QueueView, step: int, key: dict) -> list[Completion]:
         """Generate and store the rollouts of the steps from ``step`` to the next refresh, each for the
         problems a copy of the data cursor draws for it; return ``step``'s. The engine wakes once and
         generates once per step: it takes one seed per call, and each step keeps its own."""
@@ -123,7 +140,7 @@ class RolloutReuse:
         queue.plan.after_generation()
         return first
 
-    def key(self, queue: RolloutQueue, step: int, ex_idx: list[int], prompts: list) -> dict[str, Any]:
+    def key(self, queue: QueueView, step: int, ex_idx: list[int], prompts: list) -> dict[str, Any]:
         """What ``step`` generates from, as JSON reads it back: a stored file is used only where its
         header equals this (the problems, the student prompts, ``n``, the sampling settings and seed)."""
         key = {
