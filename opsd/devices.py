@@ -158,6 +158,30 @@ def rng_devices(device: torch.device) -> list[torch.device]:
     return [device] if device.type == "cuda" else []
 
 
+def synchronizes(device: torch.device) -> bool:
+    """Whether ``device`` runs kernels behind the host's back (CUDA), so a phase timer must wait for it."""
+    return device.type == "cuda"
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Count ``device``'s peak memory from here (CUDA); a CPU's peak RSS cannot be reset."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """CUDA: peak allocated since the last reset; CPU: the process's peak RSS."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def empty_cache(device: torch.device | None) -> None:
     """Hand what CUDA's caching allocator holds unused back to the driver; nothing elsewhere."""
     import torch

@@ -7,7 +7,6 @@ cannot silently go missing from the plots.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from collections.abc import Hashable, Sequence
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from opsd.devices import peak_memory_gb, reset_peak_memory, synchronizes
 from opsd.distributed import all_reduce_sum
 from opsd.loss import LossStats
 
@@ -229,9 +229,8 @@ class StepTimer:
     def for_step(cls, device: torch.device) -> StepTimer:
         """A step's timer on ``device``: CUDA phases are synchronized, and its peak memory counts
         from here (the step's own peak, not the run's)."""
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        return cls(sync=device.type == "cuda")
+        reset_peak_memory(device)
+        return cls(sync=synchronizes(device))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
@@ -248,13 +247,6 @@ class StepTimer:
                 torch.cuda.synchronize()
                 self._queue_empty = True
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """CUDA: peak allocated since the last reset; CPU: the process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _truncate_after(path: Path, step: int) -> None:
