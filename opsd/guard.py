@@ -20,16 +20,13 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from opsd.checkpoint import latest_checkpoint, prune_checkpoints
 from opsd.records import STOPS_FILE, best_checkpoint, best_path, jsonl, read_best, write_best
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
 
 
 @dataclass(frozen=True)
@@ -123,7 +120,7 @@ class Guard:
             return None
         base_end, recent_start = self.steps[w - 1], self.steps[-w]
         if c.min_length_ratio is not None:
-            base, recent = _mean(self.lengths[:w]), _mean(self.lengths[-w:])
+            base, recent = fmean(self.lengths[:w]), fmean(self.lengths[-w:])
             ratio, limit = (recent / base if base > 0 else 1.0), c.min_length_ratio
             if ratio < limit:
                 return Fired(
@@ -135,7 +132,7 @@ class Guard:
                     f"its {base:.1f} over steps {self.steps[0]}-{base_end}, below the limit {limit:g}",
                 )
         if c.max_truncation is not None:
-            rate = _mean(self.truncated[-w:])
+            rate = fmean(self.truncated[-w:])
             if rate > c.max_truncation:
                 return Fired(
                     "guard.max_truncation",

@@ -162,6 +162,13 @@ def format_step_line(rec: dict) -> str:
     return line + (" | " + " ".join(evals) if evals else "")
 
 
+def say(progress: bool, msg: str) -> None:
+    """A progress line on stderr, above any progress bar rather than through it; nothing unless
+    ``progress``."""
+    if progress:
+        tqdm.write(msg, file=sys.stderr)
+
+
 def progress_bar(total: int, done: int, desc: str, shown: bool, end: int):
     """The training loop's bar over ``total`` steps from ``done``; kept on screen only when this call
     runs to the last step (``end == total``)."""

@@ -15,8 +15,8 @@ run's own prompts, engine, grader and loss:
   whose top-1 differs, the teacher's mass on the two top-16 sets' overlap, the share of the
   divergence the configured clip removes, the share of tokens whose clipped gradient raises their
   own divergence (``entry``), and at the student's end token, the teacher's probability of ending
-  beside the student's (:func:`end_pull`): where the teacher would rather go on, OPSD teaches the
-  student not to stop.
+  beside the student's (:class:`TokenStats`' ``end_teacher`` and ``end_student``): where the teacher
+  would rather go on, OPSD teaches the student not to stop.
 
 The verdict (:func:`verdict`): headroom = ceiling - student with a paired 95% interval, and go or
 no-go with its reasons; printed and saved as ``probe.json``.
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from opsd.compare import ceiling_context, paired_interval
 from opsd.errors import UserError
+from opsd.metrics import mean, say
 
 BATCH = 8  # sequences a probe forward takes at once
 MIN_TEACHER_STOPS = 0.5  # below this share of ceiling answers ending on their own, the teacher rambles
@@ -69,12 +69,12 @@ class TokenStats:
 def verdict(probe: dict) -> tuple[str, list[str]]:
     """``("go" | "no-go", reasons)`` from the probe's figures; the first reason is the headline."""
     student, ceiling = probe["student"], probe["ceiling"]
-    mean, lo, hi = probe["headroom"]
+    gain, lo, hi = probe["headroom"]
     no: list[str] = []
     if ceiling["accuracy"] <= student["accuracy"] or lo <= 0:
         no.append(
             f"with the solution in its prompt the model scores {ceiling['accuracy']:.1%} in this answer "
-            f"format against {student['accuracy']:.1%} without it (headroom {mean:+.1%}, 95% interval "
+            f"format against {student['accuracy']:.1%} without it (headroom {gain:+.1%}, 95% interval "
             f"[{lo:+.1%}, {hi:+.1%}]): the teacher knows nothing the student does not"
         )
     stops = 1 - ceiling["truncated"]
@@ -111,7 +111,7 @@ def verdict(probe: dict) -> tuple[str, list[str]]:
         )
     if no:
         return "no-go", no + notes
-    return "go", [f"headroom {mean:+.1%} [{lo:+.1%}, {hi:+.1%}] over {probe['problems']} problems", *notes]
+    return "go", [f"headroom {gain:+.1%} [{lo:+.1%}, {hi:+.1%}] over {probe['problems']} problems", *notes]
 
 
 def _answers(res) -> Answers:
@@ -223,10 +223,10 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
         clip_removed=sums["removed"] / max(sums["divergence"], 1e-30),
         steps_away=sums["away"] / n,
         end_tokens=len(end_t),
-        end_teacher=_mean(end_t),
-        end_student=_mean(end_s),
-        end_teacher_correct=_mean(end_by[True]),
-        end_teacher_wrong=_mean(end_by[False]),
+        end_teacher=mean(end_t),
+        end_student=mean(end_s),
+        end_teacher_correct=mean(end_by[True]),
+        end_teacher_wrong=mean(end_by[False]),
     )
 
 
@@ -267,10 +267,6 @@ def _scored(trainer, builder, examples, completions, correct):
         yield from zip(batch, correct[start : start + BATCH], student, teacher)
 
 
-def _mean(xs: list[float]) -> float | None:
-    return sum(xs) / len(xs) if xs else None
-
-
 def _reference_end(trainer, examples) -> dict:
     """The teacher's and the student's probability of the end token right after the reference solution,
     spliced as the response (the teacher's reads its own solution: does it know to stop there?)."""
@@ -286,8 +282,8 @@ def _reference_end(trainer, examples) -> dict:
     teacher = _logits(trainer, [t + r for (_, t), r in zip(pairs, responses)], ones, teacher=True)
     student = _logits(trainer, [s + r for (s, _), r in zip(pairs, responses)], ones, teacher=False)
     return {
-        "teacher": _mean([z[0].softmax(-1)[end].item() for z in teacher]),
-        "student": _mean([z[0].softmax(-1)[end].item() for z in student]),
+        "teacher": mean([z[0].softmax(-1)[end].item() for z in teacher]),
+        "student": mean([z[0].softmax(-1)[end].item() for z in student]),
     }
 
 
@@ -353,7 +349,7 @@ def run_probe(
     try:
         examples = trainer.eval_examples
         e, r = cfg.eval, cfg.rollout
-        _say(progress, f"probe: {len(examples)} problems of {e.path}")
+        say(progress, f"probe: {len(examples)} problems of {e.path}")
         student = _evaluate(
             trainer, examples, None, temperature=0.0, max_new_tokens=e.max_new_tokens, name="student"
         )
@@ -362,7 +358,7 @@ def run_probe(
         clock.mark("ceilings")
         completions, sampled = _sampled(trainer, examples)
         clock.mark("sampled")
-        _say(progress, "probe: scoring the sampled responses with the teacher")
+        say(progress, "probe: scoring the sampled responses with the teacher")
         tokens = _token_stats(trainer, examples, completions, sampled.correct, trainer.spec)
         clock.mark("token_stats")
         reference_end = _reference_end(trainer, examples)
@@ -419,18 +415,10 @@ class _Clock:
 def _check_slice(cfg) -> None:
     """The probe's held-out rows, read once before the model loads: each needs an answer and a
     solution; the slice must hold at least one."""
-    from opsd.data import load_examples
-    from opsd.data.sources import take_rows
+    from opsd.setup import load_heldout
 
     e, d = cfg.eval, cfg.data
-    loaded = load_examples(
-        e.path,
-        problem_key=d.problem_key,
-        solution_key=d.solution_key,
-        answer_key=e.answer_key,
-        require_answer=True,
-    )
-    examples = take_rows(loaded.examples, e.rows, "eval.rows", e.path)[: e.limit]
+    examples = load_heldout(cfg, solutions=True)
     if not examples:
         raise UserError(f"eval.path={e.path}: the probe's slice holds no problems")
     empty = [ex.row for ex in examples if not ex.solution.strip()]
@@ -483,11 +471,6 @@ def format_probe(p: dict) -> str:
 
 def _p(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
-
-
-def _say(progress: bool, msg: str) -> None:
-    if progress:
-        print(msg, file=sys.stderr)
 
 
 def add_probe_arguments(p: argparse.ArgumentParser) -> None:

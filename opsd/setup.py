@@ -4,7 +4,8 @@
 bottom; the Trainer only runs them. :func:`prepare_model` applies every model transform in one
 ordered function (dtype, gradient checkpointing, LoRA, the teacher's frozen copy, parallelism, the
 CPU plan, compile), the way torchtitan's ``parallelize`` does; :func:`load_data` reads the training
-and held-out rows; :func:`fsdp_param_dtype` and :func:`microbatch_tokens` size what the trainer runs.
+and held-out rows (:func:`load_heldout`, which `opsd probe` reads too); :func:`fsdp_param_dtype` and
+:func:`microbatch_tokens` size what the trainer runs.
 """
 
 from __future__ import annotations
@@ -89,19 +90,24 @@ def load_data(cfg: Config, *, privileged: bool, needs_answers: bool, rank: int, 
         "wrong_answer_refused": refused,
     }
     cursor = DataCursor(len(examples), seed=cfg.seed, rank=rank, world_size=world, shuffle=d.shuffle)
-    e = cfg.eval
-    held_out = []
-    if e.path:
-        held_out = load_examples(
-            e.path,
-            problem_key=d.problem_key,
-            # Solutions only for the held-out divergence: accuracy never shows them to the student.
-            solution_key=d.solution_key if e.divergence else None,
-            answer_key=e.answer_key,
-            require_answer=True,
-        ).examples
-        held_out = take_rows(held_out, e.rows, "eval.rows", e.path)[: e.limit]
-    return Data(examples, report, cursor, held_out)
+    # Solutions only for the held-out divergence: accuracy never shows them to the student.
+    return Data(examples, report, cursor, load_heldout(cfg, solutions=cfg.eval.divergence))
+
+
+def load_heldout(cfg: Config, *, solutions: bool) -> list[Example]:
+    """The held-out rows (``eval.path``, ``eval.rows``, the first ``eval.limit``), each with its answer
+    and, where ``solutions``, its ``data.solution_key``; none without an ``eval.path``."""
+    e, d = cfg.eval, cfg.data
+    if not e.path:
+        return []
+    loaded = load_examples(
+        e.path,
+        problem_key=d.problem_key,
+        solution_key=d.solution_key if solutions else None,
+        answer_key=e.answer_key,
+        require_answer=True,
+    )
+    return take_rows(loaded.examples, e.rows, "eval.rows", e.path)[: e.limit]
 
 
 def prepare_model(

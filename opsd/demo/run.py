@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from opsd.compare.records import _say
 from opsd.demo import task
 from opsd.demo.base import DemoSettings, build_base_model, prompt_ids
 from opsd.errors import UserError
 from opsd.fetch import opsd_home
+from opsd.metrics import say
 
 # `opsd demo --compare`'s steps per method: the demo's own.
 COMPARE_STEPS = DemoSettings.opsd_steps
@@ -81,12 +81,12 @@ def prepare(s: DemoSettings, cache: Path, progress: bool) -> Prepared:
         if not (data_dir / f"{name}.jsonl").is_file():
             _write_jsonl(data_dir / f"{name}.jsonl", split[name])
     heldout = split["heldout"]
-    _say(progress, f"demo: evaluating the base model on {len(heldout)} held-out problems")
+    say(progress, f"demo: evaluating the base model on {len(heldout)} held-out problems")
     tok, model = load_tokenizer(str(base)), load_model(str(base))
     before = heldout_accuracy(model, tok, heldout, s.digits, with_solution=False)
     teacher = heldout_accuracy(model, tok, heldout, s.digits, with_solution=True)
     read = f"student {100 * before:.1f}% (problem only), teacher {100 * teacher:.1f}% (with solution)"
-    _say(progress, f"demo: {read}")
+    say(progress, f"demo: {read}")
     return Prepared(base, data_dir, split["train"], heldout, before, teacher, t_base)
 
 
