@@ -128,7 +128,7 @@ def evaluate_model(
             prompts.append(ids)
             prompts_truncated += truncated
 
-    # Chunks of batch_size prompts: progress for the bar, and a full batch for either engine.
+    # Chunks of batch_size prompts: progress for the bar, and a full batch for every engine.
     items: list[dict[str, Any]] = []
     bar = tqdm(
         total=len(examples), desc=f"eval {name}", unit="problem", disable=not progress, file=sys.stderr
