@@ -1,4 +1,5 @@
-"""The SFT anchor (``loss.sft_coef``): the step's worked solutions as a supervised term beside OPSD.
+"""The reference solutions as a supervised target: the SFT anchor beside OPSD, and the responses of
+``objective: sft``.
 
 The OPSD authors' own long run drifted: answers grew longer and repetitive and stopped ending; adding
 the SFT loss on the reference answer, with its end-of-message token, fixed format and stopping. Here,
@@ -6,46 +7,71 @@ after the distillation loss's micro-batches, the student reads each of the step'
 its reference solution and its end token, and ``sft_coef`` times the token-mean cross-entropy of those
 tokens is added to the loss (the same fused head kernel as GRPO's, so no ``[tokens, vocab]`` logits).
 It is logged separately as ``sft_loss`` (the unscaled cross-entropy).
+
+``objective: sft`` trains on the same pairs alone: :class:`SolutionQueue` hands the step each drawn
+row's solution in place of a rollout, and :class:`opsd.objectives.SFT` takes the same loss.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from opsd.data import make_sample
 from opsd.data.batching import MicroBatch
-from opsd.loss import fused_linear_policy_gradient
+from opsd.objectives import solution_cross_entropy
 from opsd.parallel import forward_hidden, full_head_weight
+from opsd.rollout.base import Completion
+from opsd.rollout.queue import RolloutQueue
 from opsd.sft import sft_pairs_from_examples
 
 
-class SFTAnchor:
-    """Adds ``coef`` x the token-mean cross-entropy of the step's reference solutions (end token
-    included) to the gradient; :meth:`backward` returns the added loss."""
+class Solutions:
+    """(student prompt, solution + end token) per training row, tokenized once; a response that does
+    not fit ``max_len`` is cut (:func:`opsd.sft.sft_pairs_from_examples`). ``target``: what a row's
+    solution is trained as (default: itself)."""
 
-    def __init__(self, coef: float, tokenizer, examples: list, data_cfg, max_len: int) -> None:
-        self.coef = coef
+    def __init__(
+        self,
+        tokenizer,
+        examples: list,
+        data_cfg,
+        max_len: int,
+        target: Callable[[str], str] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.examples = examples
         self.data_cfg = data_cfg
         self.max_len = max_len
+        self.target = target
         self._pairs: dict[int, tuple[list[int], list[int]]] = {}
 
     def pair(self, index: int) -> tuple[list[int], list[int]]:
         """(student prompt, solution + end token) of example ``index``, tokenized once."""
         if index not in self._pairs:
-            d = self.data_cfg
+            d, ex = self.data_cfg, self.examples[index]
+            if self.target is not None:
+                ex = replace(ex, solution=self.target(ex.solution))
             (self._pairs[index],) = sft_pairs_from_examples(
                 self.tokenizer,
-                [self.examples[index]],
+                [ex],
                 instruction=d.instruction,
                 enable_thinking=d.student_thinking,
                 max_len=self.max_len,
             )
         return self._pairs[index]
+
+
+class SFTAnchor(Solutions):
+    """Adds ``coef`` x the token-mean cross-entropy of the step's reference solutions (end token
+    included) to the gradient; :meth:`backward` returns the added loss."""
+
+    def __init__(self, coef: float, tokenizer, examples: list, data_cfg, max_len: int) -> None:
+        super().__init__(tokenizer, examples, data_cfg, max_len)
+        self.coef = coef
 
     def backward(
         self,
@@ -69,9 +95,32 @@ class SFTAnchor:
                 hidden = forward_hidden(
                     model, mb.student_ids, mb.student_mask, mb.student_pos, mb.student_rows
                 )
-            loss, _ = fused_linear_policy_gradient(hidden, full_head_weight(model), mb.targets, mb.weights)
+            loss, _ = solution_cross_entropy(hidden, full_head_weight(model), mb)
             (self.coef * loss).backward()
             ce += loss.detach().double().cpu()
         total += self.coef * ce
         sums["sft_loss"] = sums.get("sft_loss", 0.0) + float(ce)
         return total
+
+
+class SolutionQueue(RolloutQueue):
+    """``objective: sft``'s queue: each step's problems drawn from the cursor as for rollouts
+    (``rollout.prompts_per_step`` a step, the run's data order, resumable), with each one's reference
+    solution and end token as its one response. Nothing is generated for training; the engine
+    serves the held-out evaluation only."""
+
+    def __init__(self, solutions: Solutions, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.solutions = solutions
+
+    def next(self, step: int, timer) -> tuple[list[int], list, list[Completion], float]:
+        """``step``'s problems, their prompt pairs (the student prompt twice: no teacher reads them)
+        and their solutions as completions, a cut one marked ``length``; no policy lag."""
+        ex_idx = self.cursor.next_indices(self.per_rank)
+        pairs = [self.solutions.pair(i) for i in ex_idx]
+        end = self.solutions.tokenizer.eos_token_id
+        completions = [
+            Completion(j, list(target), None, "stop" if target[-1] == end else "length")
+            for j, (_, target) in enumerate(pairs)
+        ]
+        return ex_idx, [(prompt, prompt) for prompt, _ in pairs], completions, 0.0

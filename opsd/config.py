@@ -763,11 +763,14 @@ class Config(_Section):
         description="auto, cpu, cuda or cuda:N; auto: CUDA where available (under torchrun each rank's own "
         "GPU), else the CPU.",
     )
-    objective: Literal["opsd", "grpo", "rlsd"] = Field(
+    objective: Literal["opsd", "grpo", "rlsd", "sft"] = Field(
         "opsd",
         description="opsd: on-policy self-distillation; grpo: the RL baseline (same rollouts, data and loss "
         "kernel); rlsd: GRPO with each token's advantage reweighted by the privileged teacher (the rlsd "
-        "section).",
+        "section); sft: supervised fine-tuning on each drawn row's data.solution_key with its end token "
+        "(a GSM8K `#### N` ending written as \\boxed{N}), the loss.reduction mean of its cross-entropy, "
+        "rollout.prompts_per_step rows a step; nothing is generated but the held-out evaluation and no "
+        "teacher scores.",
     )
     grpo: GRPOConfig = GRPOConfig()
     rlsd: RLSDConfig = RLSDConfig()
@@ -831,8 +834,9 @@ class Config(_Section):
                 "grpo.distill_coef adds a distillation term to objective=grpo; objective=rlsd's teacher "
                 "reweights the advantages instead: set it to 0"
             )
-        distills = self.objective != "grpo" or self.grpo.distill_coef > 0
-        if distills and t.privileged and self.data.solution_key is None:
+        if self.objective == "sft":
+            self._check_sft()
+        if self.reads_teacher() and t.privileged and self.data.solution_key is None:
             raise ValueError(
                 "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
             )
@@ -868,7 +872,7 @@ class Config(_Section):
                 "rollout.reuse.refresh_below_agreement needs rollout.reuse.refresh_every (inf: refresh "
                 "only when the agreement drops)"
             )
-        if r.reuse.refresh_below_agreement is not None and not self._reads_teacher():
+        if r.reuse.refresh_below_agreement is not None and not self.reads_teacher():
             raise ValueError(
                 "rollout.reuse.refresh_below_agreement reads the teacher-student agreement: objective=grpo "
                 "measures none without grpo.distill_coef > 0"
@@ -900,8 +904,26 @@ class Config(_Section):
         if r.engine == "hf" and r.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
 
-    def _reads_teacher(self) -> bool:
+    def _check_sft(self) -> None:
+        """objective=sft trains on each row's own solution, drawn rather than generated."""
+        r = self.rollout
+        if self.data.solution_key is None:
+            raise ValueError("objective=sft trains on the reference solutions: it needs data.solution_key")
+        if self.teacher.solution_source != "own":
+            raise ValueError(
+                "objective=sft trains on each row's own solution: teacher.solution_source must be own"
+            )
+        if self.loss.sft_coef > 0:
+            raise ValueError("objective=sft is the SFT loss itself: loss.sft_coef would add it twice; set 0")
+        if r.overlap or r.reuse.refresh_every is not None:
+            raise ValueError(
+                "objective=sft generates no rollouts: rollout.overlap and rollout.reuse do not apply"
+            )
+
+    def reads_teacher(self) -> bool:
         """Whether the objective runs the teacher on the rollouts (GRPO only with a distillation term)."""
+        if self.objective == "sft":
+            return False
         return self.objective != "grpo" or self.grpo.distill_coef > 0
 
     def _check_eval(self) -> None:

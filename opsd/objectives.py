@@ -8,6 +8,8 @@
   ``--opd-kl-coef`` and verl's distillation coefficient do.
 - :class:`RLSD` (``objective: rlsd``): GRPO whose sign the verifier sets, each token's magnitude
   reweighted by the privileged teacher (the OPSD authors' ``rlsd_trainer.py``).
+- :class:`SFT` (``objective: sft``): supervised fine-tuning on the reference solutions, which the
+  step's queue hands it in place of rollouts (:class:`opsd.anchor.SolutionQueue`); no teacher.
 
 An objective says what it needs (``uses_teacher``: the teacher scores every micro-batch;
 ``needs_answers``: rows must carry a gradable answer), reads the step's rollouts once
@@ -73,8 +75,21 @@ class Objective(Protocol):
     def metrics(self, sums: dict[str, float]) -> dict[str, float]: ...
 
 
+class PerToken:
+    """An objective that reads nothing from the step's rollouts as a whole (no rewards, no groups) and
+    adds no metrics of its own: its loss is all per token."""
+
+    def score(
+        self, completions: list[Completion], answers: list[str], decode: Callable, *, step: int
+    ) -> Scores:
+        return Scores()
+
+    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        return {}
+
+
 @dataclass
-class Distillation:
+class Distillation(PerToken):
     """On-policy self-distillation: the divergence of :class:`DistillSpec` against the teacher's
     hidden states, a chunk of logits at a time. ``sampling_temperature``: the rollout's, which the
     engine's log-probs (``rollout.logprob_check``) are tempered by."""
@@ -85,11 +100,6 @@ class Distillation:
     slab_elements: int | None = None  # the CPU plan's (opsd.cpu.CpuPlan.loss_slab_elements)
     uses_teacher: bool = True
     needs_answers: bool = False
-
-    def score(
-        self, completions: list[Completion], answers: list[str], decode: Callable, *, step: int
-    ) -> Scores:
-        return Scores()
 
     def loss(self, s_hidden, t_hidden, t_head, mb, scores, *, head, matmul_dtype):
         # The check's log S(y) comes from the loss's own logits when they are tempered alike.
@@ -112,9 +122,6 @@ class Distillation:
         )
         check_rollout_logprobs(stats, mb, s_hidden, head, mine, self.sampling_temperature, self.chunk_size)
         return loss, stats
-
-    def metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        return {}
 
 
 @dataclass
@@ -294,6 +301,30 @@ class RLSD:
         }
 
 
+def solution_cross_entropy(
+    s_hidden: Tensor, head: Tensor, mb: MicroBatch, chunk_size: int | None = None
+) -> tuple[Tensor, LossStats]:
+    """The SFT loss on one micro-batch of reference solutions: ``-sum w log S(y)``, which with the
+    batching layer's weights (1 over the global token count) is the token-mean cross-entropy; the
+    fused head kernel, so no ``[tokens, vocab]`` logits. :class:`SFT` and the SFT anchor
+    (:mod:`opsd.anchor`) both take it."""
+    return fused_linear_policy_gradient(s_hidden, head, mb.targets, mb.weights, chunk_size=chunk_size)
+
+
+@dataclass
+class SFT(PerToken):
+    """Supervised fine-tuning (``objective: sft``): the token-mean cross-entropy of each drawn row's
+    reference solution, its end token included (:func:`solution_cross_entropy`). The responses are the
+    solutions themselves, so nothing is generated for training and no teacher scores them."""
+
+    chunk_size: int | None = None
+    uses_teacher: bool = False
+    needs_answers: bool = False
+
+    def loss(self, s_hidden, t_hidden, t_head, mb, scores, *, head, matmul_dtype):
+        return solution_cross_entropy(s_hidden, head, mb, self.chunk_size)
+
+
 def check_rollout_logprobs(
     stats: LossStats,
     mb: MicroBatch,
@@ -334,12 +365,16 @@ def floor_end_tokens(objective: Objective, end_ids: tuple[int, ...]) -> Objectiv
         return replace(objective, spec=replace(objective.spec, end_ids=end_ids))
     if isinstance(objective, RLSD):
         return replace(objective, grpo=floor_end_tokens(objective.grpo, end_ids))
+    if isinstance(objective, SFT):  # no distillation term to floor
+        return objective
     return replace(objective, distill=floor_end_tokens(objective.distill, end_ids))
 
 
 def make_objective(cfg: Config, chunk_size: int | None, slab_elements: int | None = None) -> Objective:
     """``cfg.objective`` as an object, its options bound once (``chunk_size``, ``slab_elements``: as
     :func:`make_distillation` takes them)."""
+    if cfg.objective == "sft":
+        return SFT(chunk_size)
     distill = make_distillation(cfg, chunk_size, slab_elements)
     if cfg.objective == "opsd":
         return distill

@@ -23,10 +23,10 @@ import torch
 from torch import Tensor, nn
 
 from opsd import checkpoint, cpu, distributed, models, parallel, precision
-from opsd.anchor import SFTAnchor
+from opsd.anchor import SFTAnchor, SolutionQueue, Solutions
 from opsd.config import Config, resolve_engine
 from opsd.data import DataCursor, Example, PromptBuilder, load_examples
-from opsd.data.controls import apply_solution_source
+from opsd.data.controls import apply_solution_source, boxed_target
 from opsd.data.sources import take_rows
 from opsd.devices import check_compiler, resolve_device, use_device
 from opsd.errors import UserError
@@ -428,7 +428,6 @@ def build(
             print(f"loss: {spec.describe()}", file=sys.stderr)
         print(f"cpu plan: {plan.describe()}", file=sys.stderr)
         print(f"micro-batches: up to {mb_tokens} padded tokens ({why})", file=sys.stderr)
-    d = loaded.data
     autocast = make_autocast(cfg, prec, dist, model)
     loss_mm = precision.loss_matmul_dtype(prec, dist.device) if cfg.loss.products == "auto" else None
     loop = MicroBatchLoop(
@@ -454,7 +453,7 @@ def build(
         optimizer=optimizer,
         scheduler=scheduler,
         engine=engine,
-        queue=RolloutQueue(cfg, engine, d.cursor, loaded.prompts, d.examples, dist, plan=plan),
+        queue=make_queue(cfg, engine, loaded, dist, plan),
         mb_tokens=mb_tokens,
         autocast=autocast,
         forward_backward=loop,
@@ -464,6 +463,20 @@ def build(
         check_lp=cfg.rollout.checks_logprobs(kind),
         stop=GracefulStop(),
     )
+
+
+def make_queue(
+    cfg: Config, engine: RolloutEngine, loaded: Loaded, dist: distributed.Dist, plan: cpu.CpuPlan
+) -> RolloutQueue:
+    """What each step trains on: the drawn problems' rollouts, or with ``objective: sft`` their
+    reference solutions (a GSM8K ``#### N`` ending in the student's answer format, ``\\boxed{N}``)."""
+    d = loaded.data
+    parts = (cfg, engine, d.cursor, loaded.prompts, d.examples, dist)
+    if cfg.objective != "sft":
+        return RolloutQueue(*parts, plan=plan)
+    limit = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    solutions = Solutions(loaded.tokenizer, d.examples, cfg.data, limit, target=boxed_target)
+    return SolutionQueue(solutions, *parts, plan=plan)
 
 
 def _precision(cfg: Config, dist: distributed.Dist) -> precision.Precision:
@@ -493,7 +506,9 @@ def load_run(
         has_checkpoint = checkpoint.latest_checkpoint(run_dir) is not None
         prepare_run_dir(run_dir, resume=resume, overwrite=overwrite, has_checkpoint=has_checkpoint)
         checkpoint.clean_partial(run_dir)
+    # Solutions where a teacher reads them, or the SFT anchor or objective trains on them.
     privileged = cfg.teacher.privileged and (objective.uses_teacher or cfg.loss.sft_coef > 0)
+    privileged = privileged or cfg.objective == "sft"
     needs = objective.needs_answers
     data = load_data(cfg, privileged=privileged, needs_answers=needs, rank=dist.rank, world=dist.world_size)
     tokenizer = models.load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)

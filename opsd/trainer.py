@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -19,18 +20,34 @@ from opsd import checkpoint, distributed, metrics, setup
 from opsd.config import Config
 from opsd.data.batching import MicroBatch, loss_tokens, make_microbatches, make_sample, pad_microbatches
 from opsd.errors import EngineError, TrainingError
-from opsd.eval.heldout import heldout_accuracy, heldout_divergence
+from opsd.eval.heldout import EvalResult, heldout_accuracy, heldout_divergence, solution_accuracy
 from opsd.guard import Guard
 from opsd.parallel import clip_grad_norm
 
 StepOutputs = metrics.StepOutputs
 
-__all__ = ["StepOutputs", "Trainer", "TrainingError"]
+__all__ = ["Evaluation", "StepOutputs", "Trainer", "TrainingError"]
+
+
+@dataclass
+class Evaluation:
+    """One held-out evaluation of the live model: the accuracy result (its figures global, its graded
+    ``items`` this rank's) and, with ``eval.divergence``, the held-out divergence."""
+
+    accuracy: EvalResult
+    divergence: float | None = None
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """The figures the step record logs, named ``prefix`` + metric."""
+        out = self.accuracy.metrics(prefix=prefix)
+        if self.divergence is not None:
+            out[f"{prefix}divergence"] = self.divergence
+        return out
 
 
 class Trainer:
     """Runs the parts :func:`opsd.setup.build` makes from a :class:`Config` (or the ``parts`` given):
-    ``train()``, ``step()``, ``evaluate()`` and checkpoints.
+    ``train()``, ``step()``, ``evaluate()`` (an :class:`Evaluation`) and checkpoints.
 
     ``resume=True`` continues the latest checkpoint in ``logging.run_dir`` exactly; ``overwrite=True``
     deletes an existing run directory first; without either, an existing run directory is refused.
@@ -84,7 +101,8 @@ class Trainer:
         timer = metrics.StepTimer.for_step(self.device)
 
         # 1-2. Draw this rank's share of the global batch; roll out n responses to each (with
-        # rollout.overlap, requested one step ago and the next step's requested now).
+        # rollout.overlap, requested one step ago and the next step's requested now; objective: sft,
+        # each problem's reference solution instead, nothing generated).
         ex_idx, prompts, completions, lag = self.queue.next(self.step_num, timer)
 
         # 3. Splice each response, token for token, after the student prompt and the teacher prompt.
@@ -219,7 +237,7 @@ class Trainer:
                     self.plan.after_step()
                     rec = self.record(out)
                     if cfg.eval.every and self.step_num % cfg.eval.every == 0:
-                        rec.update(self.evaluate())
+                        rec.update(self.evaluate().metrics(prefix="eval/"))
                     history.append(rec)
                     if self.metrics is not None:
                         metrics.log_step(self.metrics, bar, rec, out, self.examples, self.decode, cfg.logging)
@@ -264,10 +282,10 @@ class Trainer:
         """Whether the last ``train()`` ended on a signal."""
         return self.stop.requested is not None
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> Evaluation:
         """Held-out accuracy of the live model (no privileged information) and, with ``eval.divergence``,
-        the held-out divergence, sharded over ranks."""
-        out = heldout_accuracy(
+        the held-out divergence, sharded over ranks (every rank calls it)."""
+        accuracy = heldout_accuracy(
             self.model,
             self.tokenizer,
             self.eval_examples,
@@ -276,10 +294,16 @@ class Trainer:
             self.eval_grader,
             self.rank,
             self.world,
-        ).metrics(prefix="eval/")
-        if self.cfg.eval.divergence:
-            out["eval/divergence"] = self.heldout_divergence()["divergence"]
-        return out
+        )
+        divergence = self.heldout_divergence()["divergence"] if self.cfg.eval.divergence else None
+        return Evaluation(accuracy, divergence)
+
+    def evaluate_with_solutions(self, examples: list) -> EvalResult:
+        """Greedy accuracy of the live model on ``examples`` (held-out rows with their solutions) with
+        each solution in its prompt, the teacher's prompt: the teacher's ceiling (eval.grader)."""
+        return solution_accuracy(
+            self.model, self.tokenizer, examples, self.eval_prompts, self.cfg, self.engine, self.eval_grader
+        )
 
     def heldout_divergence(self) -> dict:
         """The distillation loss's statistics on the held-out problems (:mod:`opsd.eval.heldout`): one

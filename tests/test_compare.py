@@ -85,16 +85,31 @@ def test_every_method_at_one_budget(assets, tmp_path):
         assert all(
             0 <= p["repetition"] <= 1 and 0 <= p["truncated"] <= 1 and p["resp_len"] > 0 for p in points
         )
-        if m != "sft":  # a trainer run directory that `opsd report` reads
-            assert (out / "seed0" / m / "metrics.jsonl").is_file()
-    # Equal responses per step: OPSD 2 problems x 2, GRPO 1 problem x 4 samples.
+        assert (out / "seed0" / m / "metrics.jsonl").is_file()  # a run directory `opsd report` reads
+    # Equal responses per step: OPSD 2 problems x 2, GRPO 1 problem x 4 samples, SFT 4 solutions.
     assert result["grpo"]["n"] == 4 and result["budget"]["responses_per_step"] == 4
     assert (
         runs["grpo"]["points"][-1]["generated_tokens"] > 0
         and runs["sft"]["points"][-1]["generated_tokens"] == 0
+        and runs["sft"]["points"][-1]["teacher_tokens"] == 0
     )
+    sft = [json.loads(x) for x in (out / "seed0" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert len(sft) == 2 and all(r["tokens"] == 4 * r["resp_len_mean"] for r in sft)  # 4 whole solutions
     # Control A's teacher is the initial student on the same prompt: zero gradient, so no movement.
     assert runs["control_a"]["points"][-1]["accuracy"] == base["accuracy"]
+
+
+def test_sft_is_the_trainer_with_the_sft_objective(assets):
+    """SFT's overrides: its own learning rate (--sft-lr), as many solutions a step as the others'
+    responses, the token mean, and nothing that would add a second SFT term or generate ahead."""
+    budget = compare.Budget(steps=2, responses_per_step=4, eval_every=1)
+    grpo = compare.GRPOSettings(1e-4, 1.0, 2, False)
+    keys = compare.method_overrides("sft", grpo, 1.0, budget, sft_lr=2e-5)
+    user = [*_overrides(assets), "loss.sft_coef=0.5", "loss.reduction=sequence"]
+    cfg = compare._arm_config(None, user, keys)
+    assert cfg.objective == "sft" and cfg.optim.lr == 2e-5 and cfg.loss.sft_coef == 0
+    assert cfg.rollout.prompts_per_step * cfg.rollout.n == 4 and cfg.loss.reduction == "token"
+    assert "optim.lr" not in " ".join(compare.method_overrides("sft", grpo, 1.0, budget))  # the config's
 
 
 def test_teacher_tokens_count_where_a_teacher_scores(assets, tmp_path):

@@ -144,6 +144,10 @@ def test_heldout_divergence_is_recorded_at_evaluation(assets, tmp_path, objectiv
     assert math.isfinite(rec["eval/divergence"]) and rec["eval/divergence"] >= 0.0
     again = tr.heldout_divergence()  # the same seed stream at every evaluation: the same number
     assert again["divergence"] == rec["eval/divergence"]
+    # the logged figures are the evaluation's own, and it repeats on the same weights
+    evaluation = tr.evaluate()
+    assert evaluation.divergence == rec["eval/divergence"]
+    assert evaluation.metrics(prefix="eval/") == {k: v for k, v in rec.items() if k.startswith("eval/")}
 
 
 @pytest.mark.parametrize(("shift", "expected"), [(math.log(1.5), 1.5), (math.log(3.0), 2.0), (0.0, 1.0)])
@@ -185,3 +189,58 @@ def test_grpo_on_a_zero_weight_padding_micro_batch_adds_nothing():
         GRPO(lambda r, a: 0.0, False, 1.0, 4, distill), hidden, None, head, mb, Scores([])
     )
     assert loss == 0.0 and torch.count_nonzero(grad_h) == 0
+
+
+def test_the_sft_objective_trains_on_the_solutions_without_rollouts_or_teacher(assets, tmp_path, monkeypatch):
+    """objective=sft: each drawn row's solution and end token is its one response, the step's loss the
+    token-mean cross-entropy of those tokens under the weights before the step (what `opsd sft`'s loop
+    takes on the same rows); nothing is generated and no teacher scores."""
+    from opsd.sft import sft_pairs_from_examples
+    from opsd.teacher import Teacher
+
+    over = {"objective": "sft", "model.dtype": "float64", "optim.max_steps": 1, "checkpoint.enabled": "false"}
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
+    try:
+        monkeypatch.setattr(tr.engine, "generate", lambda *a, **k: pytest.fail("sft generated a rollout"))
+        monkeypatch.setattr(Teacher, "score", lambda *a, **k: pytest.fail("sft ran the teacher"))
+        d = tr.cfg.data
+        pairs = sft_pairs_from_examples(
+            tr.tokenizer,
+            tr.examples,
+            instruction=d.instruction,
+            enable_thinking=d.student_thinking,
+            max_len=d.max_prompt_len + tr.cfg.rollout.max_new_tokens,
+        )
+        with torch.no_grad():
+            nll = []
+            for prompt, target in pairs:
+                logits = tr.model(torch.tensor([prompt + target])).logits[0, len(prompt) - 1 : -1]
+                nll.append(torch.nn.functional.cross_entropy(logits, torch.tensor(target), reduction="sum"))
+        out = tr.step()
+        rows = out.example_indices
+        assert len(rows) == tr.cfg.rollout.prompts_per_step and len(out.completions) == len(rows)
+        for c, i in zip(out.completions, rows):
+            assert c.token_ids == pairs[i][1] and c.token_ids[-1] == tr.tokenizer.eos_token_id
+            assert c.finish_reason == "stop"
+        tokens = sum(len(pairs[i][1]) for i in rows)
+        dense = float(sum(nll[i] for i in rows)) / tokens
+        # float64 but for the loss weights 1/n, which the batching layer keeps in float32
+        assert math.isclose(float(out.loss_sum), dense, rel_tol=1e-7)
+        assert tr.record(out)["tokens"] == tokens
+    finally:
+        tr.close()
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (["loss.sft_coef=0.5"], "loss.sft_coef"),
+        (["teacher.solution_source=other"], "solution_source"),
+        (["data.solution_key=null", "teacher.privileged=false"], "data.solution_key"),
+    ],
+)
+def test_the_sft_objective_refuses_what_does_not_apply(keys, message):
+    from opsd.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(None, ["data.path=x.jsonl", "objective=sft", *keys])

@@ -8,13 +8,13 @@ printed: equal optimizer steps and equal responses per step (OPSD samples ``roll
 each of ``rollout.prompts_per_step`` problems; GRPO and mixed sample ``grpo_n`` to each of fewer
 problems; SFT trains on as many worked solutions a step, which count as its data).
 
-Every trainer method is `opsd train`'s Trainer with a few overrides (:func:`method_overrides`), in a
-run directory of its own (``OUT/seedS/METHOD``; `opsd report` works on each). The comparison resumes
-where it stopped: a finished method is read back, not rerun; an unfinished one resumes from its last
-checkpoint (written at every evaluation). GRPO's settings come from ``OUT/tune/grpo.json`` when
-`opsd compare --tune grpo` has chosen them (by training reward on seeds that are not reported), and
-from the config otherwise; GRPO + distillation's from ``OUT/tune/mixed.json`` (`--tune mixed`), and
-GRPO's otherwise.
+Every method is `opsd train`'s Trainer with a few overrides (:func:`method_overrides`; SFT is
+``objective: sft``), in a run directory of its own (``OUT/seedS/METHOD``; `opsd report` works on
+each). The comparison resumes where it stopped: a finished method is read back, not rerun; an
+unfinished one resumes from its last checkpoint (written at every evaluation). GRPO's settings come
+from ``OUT/tune/grpo.json`` when `opsd compare --tune grpo` has chosen them (by training reward on
+seeds that are not reported), and from the config otherwise; GRPO + distillation's from
+``OUT/tune/mixed.json`` (`--tune mixed`), and GRPO's otherwise.
 
 The report (compare.md, :func:`format_table`): per method and for the base model, strict accuracy
 (eval.grader) with a 95% Wilson interval over the held-out problems, lenient accuracy
@@ -36,7 +36,6 @@ from opsd.compare.cli import (
 from opsd.compare.methods import (
     _arm_config,
     ceiling_context,
-    run_sft_method,
     run_trainer_method,
     teacher_ceiling,
 )
@@ -54,6 +53,7 @@ from opsd.compare.plan import (
     distill_coefficient,
     label,
     method_overrides,
+    sft_overrides,
     tune_file,
 )
 from opsd.compare.records import (
@@ -102,9 +102,9 @@ __all__ = [
     "read_tuned",
     "run_compare",
     "run_compare_command",
-    "run_sft_method",
     "run_trainer_method",
     "run_tune",
+    "sft_overrides",
     "teacher_ceiling",
     "tune_file",
     "tune_grid",

@@ -110,10 +110,17 @@ class GRPOSettings:
 
 
 def method_overrides(
-    method: str, grpo: GRPOSettings, distill_coef: float, budget: Budget, mixed: GRPOSettings | None = None
+    method: str,
+    grpo: GRPOSettings,
+    distill_coef: float,
+    budget: Budget,
+    mixed: GRPOSettings | None = None,
+    sft_lr: float | None = None,
 ) -> list[str]:
-    """What a trainer method changes in the user's config. ``mixed``: GRPO + distillation's own
-    settings (default GRPO's)."""
+    """What a method changes in the user's config. ``mixed``: GRPO + distillation's own settings
+    (default GRPO's); ``sft_lr``: SFT's learning rate (default the config's)."""
+    if method == "sft":
+        return sft_overrides(budget, sft_lr)
     if method == "opsd":
         return ["objective=opsd"]
     if method == "control_a":
@@ -127,6 +134,23 @@ def method_overrides(
     if method == "mixed":
         return [*(mixed or grpo).overrides(budget), f"grpo.distill_coef={distill_coef}"]
     raise UserError(f"unknown method {method!r}; choose from {list(METHODS)}")
+
+
+def sft_overrides(budget: Budget, lr: float | None) -> list[str]:
+    """``objective: sft`` on as many worked solutions a step as the others' responses, the token mean
+    of its cross-entropy, with the settings that add a second SFT term or generate ahead switched off
+    (nothing is generated for SFT to train on)."""
+    return [
+        "objective=sft",
+        *([f"optim.lr={lr}"] if lr is not None else []),
+        f"rollout.prompts_per_step={budget.responses_per_step}",
+        "rollout.n=1",
+        "loss.reduction=token",
+        "loss.sft_coef=0",
+        "rollout.overlap=0",
+        "rollout.reuse.refresh_every=null",
+        "rollout.reuse.refresh_below_agreement=null",
+    ]
 
 
 def default_grpo(cfg, budget: Budget, n: int) -> GRPOSettings:

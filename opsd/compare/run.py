@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from opsd.compare.methods import _arm_config, ceiling_context, run_sft_method, run_trainer_method
+from opsd.compare.methods import _arm_config, ceiling_context, run_trainer_method
 from opsd.compare.plan import (
     MARKER,
     METHODS,
@@ -87,12 +87,8 @@ def run_compare(
             )
             if done.is_file():  # finished earlier: read back, not rerun
                 run = _read_run(done)
-            elif kind == "sft":
-                over = [*overrides, *keys]
-                run = run_sft_method(seed, config, over, run_dir, budget, sft_lr, base, progress, want)
-                run.method = method
             else:
-                extra = [*method_overrides(kind, grpo, coef, budget, mixed), *keys]
+                extra = [*method_overrides(kind, grpo, coef, budget, mixed, sft_lr), *keys]
                 run = run_trainer_method(
                     method, seed, config, overrides, extra, run_dir, budget, base, progress, want
                 )

@@ -1,15 +1,15 @@
 """`opsd demo --compare`: OPSD against GRPO and SFT on the demo task, at equal optimizer steps, with
 two controls. Same base model, same training problems, same held-out problems, same schedule.
 
-Every arm but SFT is `opsd train`'s Trainer with a few overrides on the demo's configuration, so the
+Every arm is `opsd train`'s Trainer with a few overrides on the demo's configuration, so the
 arms differ only where the overrides say. GRPO draws ``prompts_per_step // grpo_n`` problems a step and
 samples ``grpo_n`` responses to each: as many responses a step (64 by default) as OPSD, which samples
 one for each of its ``prompts_per_step`` problems. A step therefore trains on about as many tokens in
 either, and the difference between them is what one response per problem can teach against what a
 group of eight can. GRPO has its own learning rate (``grpo_lr``): at OPSD's, its reward collapses to
-zero within a few steps and it never learns again (docs/demo.md). SFT is `opsd sft`'s loop on the
-worked solutions of the same problems (off-policy: nothing is generated), ``prompts_per_step`` rows a
-step.
+zero within a few steps and it never learns again (docs/demo.md). SFT is the trainer with
+``objective: sft`` on the worked solutions of the same problems (off-policy: nothing is generated),
+``prompts_per_step`` rows a step.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from torch import nn
 
 from opsd.data import Example, make_sample
 from opsd.distributed import all_reduce_sum, rank_seed
-from opsd.eval.loop import EvalResult, evaluate_sharded
+from opsd.eval.loop import EvalResult, evaluate_model, evaluate_sharded
 from opsd.loss import LossStats
 from opsd.microbatch import forward_backward
 from opsd.teacher import Teacher
@@ -40,6 +40,29 @@ def heldout_accuracy(
         grader=grader,
     )
     # generate() woke it: the checkpoint save and the next step run without vLLM resident
+    engine.sleep()
+    return res
+
+
+def solution_accuracy(
+    model: nn.Module, tokenizer, examples: list[Example], prompts: Callable, cfg, engine, grader: Callable
+) -> EvalResult:
+    """The live model's greedy accuracy, one response each, with each problem's solution in its prompt
+    (``prompts(i, example)``' teacher prompt): what a teacher reading the solution gets right, the
+    ceiling of what it can pass on. Every rank evaluates every problem; ``engine`` asleep again after."""
+    res = evaluate_model(
+        model,
+        tokenizer,
+        examples,
+        k=1,
+        temperature=0.0,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        seed=cfg.seed,
+        engine=engine,
+        grader=grader,
+        prompts=[prompts(i, ex)[1] for i, ex in enumerate(examples)],
+        name="teacher",
+    )
     engine.sleep()
     return res
 
