@@ -7,6 +7,7 @@ module by name (pytest puts tests/ on sys.path and spawned children inherit it).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -79,8 +80,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, replicate: int, port: int, fn, args: tuple) -> None:
+def _entry(rank: int, world: int, replicate: int, port: int, env: dict, fn, args: tuple) -> None:
     local = world // replicate  # ranks per "node"
+    os.environ.clear()  # the test's environment, not the fork server's (see spawn)
+    os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -98,11 +101,27 @@ def _entry(rank: int, world: int, replicate: int, port: int, fn, args: tuple) ->
     D.exit_rank(0)  # as `opsd train` under torchrun ends a rank: no finalization (see exit_rank)
 
 
+# What every rank imports before its test's worker runs, imported once per test session by the fork
+# server that the ranks fork from: a rank starting with `spawn` imported torch, transformers and opsd
+# afresh, ~4 s of CPU each, two or four ranks at a time, in every multi-rank test.
+SPAWN_PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "opsd.trainer", "opsd.checkpoint"]
+
+
 def spawn(fn, *args, world: int = 2, replicate: int = 1) -> None:
     """Run ``fn`` on ``world`` gloo ranks; any error, wrong result or crash (a signal) fails the test.
 
-    ``fn`` is pickled by reference: define it at module level of a test module (or here)."""
-    mp.spawn(_entry, args=(world, replicate, free_port(), fn, args), nprocs=world, join=True)
+    ``fn`` is pickled by reference: define it at module level of a test module (or here). Each rank is
+    a fresh process forked from the fork server (no state of the test's own process, no collective or
+    thread pool run before the fork), with the test's environment of the moment: the fork server keeps
+    the one it started with, so ``_entry`` sets the caller's."""
+    multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)
+    mp.start_processes(
+        _entry,
+        args=(world, replicate, free_port(), dict(os.environ), fn, args),
+        nprocs=world,
+        join=True,
+        start_method="forkserver",
+    )
 
 
 # --- mixed precision in training -----------------------------------------------------------------
