@@ -224,10 +224,19 @@ def test_sigterm_to_one_rank_stops_all_after_the_same_step(assets, tmp_path):
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
+def _clean_exit(res: subprocess.CompletedProcess, run: str) -> None:
+    """A finished two-rank run: exit 0, no traceback and no abort (1 in 20 aborted at exit before ranks
+    ended through opsd.distributed.exit_rank; bench/torchrun_exits.py runs it 20 times)."""
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "run directory:" in out, (run, res.returncode, out[-3000:])
+    assert not any(m in out for m in ("Traceback", "terminate called", "SIGABRT")), (run, out[-3000:])
+
+
 @pytest.mark.slow
 def test_torchrun_trains_then_a_rank0_run_dir_error_ends_every_rank(assets, tmp_path):
     """`torchrun --standalone --nproc-per-node 2 -m opsd train` for 3 steps; the same command again
-    finds the run directory on rank 0, and both ranks exit with that message at once."""
+    finds the run directory on rank 0, and both ranks exit with that message at once; then the same
+    run with --overwrite twice more: three finished two-rank runs, each exiting cleanly."""
     cfg = make_cfg(
         assets, tmp_path / "run", **{"optim.max_steps": 3, "device": "cpu", "logging.sample_every": 0}
     )
@@ -236,7 +245,7 @@ def test_torchrun_trains_then_a_rank0_run_dir_error_ends_every_rank(assets, tmp_
     cmd = torchrun_command(2, "-m", "opsd", "train", "--config", str(path))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _clean_exit(res, "first")
     assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2, 3]
     assert [c.name for c in list_checkpoints(tmp_path / "run")] == ["step_000002", "step_000003"]
 
@@ -246,26 +255,10 @@ def test_torchrun_trains_then_a_rank0_run_dir_error_ends_every_rank(assets, tmp_
     assert res.stderr.count("already exists") >= 2, res.stderr[-3000:]  # rank 0's own line and rank 1's
     assert "rank 0 failed during setup" in res.stderr
 
-
-@pytest.mark.slow
-def test_three_torchrun_runs_in_a_row_exit_cleanly(assets, tmp_path):
-    """A finished two-rank run exits 0 with no traceback and no abort, three times in a row (1 in 20
-    aborted at exit before ranks ended through opsd.distributed.exit_rank; bench/torchrun_exits.py
-    runs it 20 times)."""
-    cfg = make_cfg(
-        assets,
-        tmp_path / "run",
-        **{"optim.max_steps": 2, "device": "cpu", "logging.sample_every": 0, "checkpoint.every": 1},
-    )
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    cmd = torchrun_command(2, "-m", "opsd", "train", "--config", str(path), "--overwrite")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    for attempt in range(3):
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        out = res.stdout + res.stderr
-        assert res.returncode == 0 and "run directory:" in out, (attempt, res.returncode, out[-3000:])
-        assert not any(m in out for m in ("Traceback", "terminate called", "SIGABRT")), (attempt, out[-3000:])
+    for attempt in ("second", "third"):
+        res = subprocess.run([*cmd, "--overwrite"], capture_output=True, text=True, timeout=600, env=env)
+        _clean_exit(res, attempt)
+        assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_prompts_per_step_is_the_global_batch():
