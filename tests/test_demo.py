@@ -333,9 +333,9 @@ def test_demo_gains_without_a_dip_and_its_control_does_not(tmp_path, monkeypatch
     cache = tmp_path / "cache"
     r = demo_run.run_opsd(s, tmp_path / "run", cache=cache, progress=False)
     # The control: same base model, no solution in the teacher's context. Its teacher equals the
-    # student, so its gradient is exactly zero from the first step: a few steps show it as well as many.
+    # student, so its gradient is exactly zero from the first step: two steps show it as well as many.
     c = demo_run.run_opsd(
-        base.DemoSettings(seed=0, opsd_steps=10, eval_every=10),
+        base.DemoSettings(seed=0, opsd_steps=2, eval_every=2),
         tmp_path / "control",
         control=True,
         cache=cache,

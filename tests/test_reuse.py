@@ -52,12 +52,19 @@ def _same(a: list[Completion], b: list[Completion]) -> bool:
 F64 = {"model.dtype": "float64", "optim.max_steps": 6}
 
 
-def test_refresh_every_1_is_reuse_off(assets, tmp_path):
-    off = Trainer(make_cfg(assets, tmp_path / "off", **F64))
+@pytest.fixture(scope="module")
+def off_run(assets, tmp_path_factory) -> tuple[list, dict]:
+    """The run without reuse that the reuse settings are held against: its records, and each step's
+    problems and responses as the trainer drew them (only read by the tests)."""
+    off = Trainer(make_cfg(assets, tmp_path_factory.mktemp("off") / "off", **F64))
+    _, steps = _watched(off)
+    return off.train(), steps
+
+
+def test_refresh_every_1_is_reuse_off(assets, tmp_path, off_run):
     on = Trainer(make_cfg(assets, tmp_path / "on", **F64, **{"rollout.reuse.refresh_every": 1}))
-    _, off_steps = _watched(off)
     _, on_steps = _watched(on)
-    a, b = off.train(), on.train()
+    (a, off_steps), b = off_run, on.train()
     for key in ("loss", "divergence", "grad_norm", "agreement", "resp_len_mean"):
         assert [r[key] for r in a] == [r[key] for r in b], key
     for t in range(6):
@@ -68,10 +75,8 @@ def test_refresh_every_1_is_reuse_off(assets, tmp_path):
     assert "rollout/reused" not in a[0]
 
 
-def test_refresh_every_4_generates_at_steps_0_and_4_only(assets, tmp_path):
-    off = Trainer(make_cfg(assets, tmp_path / "off", **F64))
-    _, off_steps = _watched(off)
-    off.train()
+def test_refresh_every_4_generates_at_steps_0_and_4_only(assets, tmp_path, off_run):
+    off_steps = off_run[1]
     tr = Trainer(make_cfg(assets, tmp_path / "run", **F64, **{"rollout.reuse.refresh_every": 4}))
     events, steps = _watched(tr)
     recs = tr.train()
