@@ -101,9 +101,9 @@ def _entry(rank: int, world: int, replicate: int, port: int, env: dict, fn, args
     D.exit_rank(0)  # as `opsd train` under torchrun ends a rank: no finalization (see exit_rank)
 
 
-# What every rank imports before its test's worker runs, imported once per test session by the fork
+# What every rank imports before its test's worker runs, imported once per pytest process by the fork
 # server that the ranks fork from: a rank starting with `spawn` imported torch, transformers and opsd
-# afresh, ~4 s of CPU each, two or four ranks at a time, in every multi-rank test.
+# afresh, a few seconds of CPU each, two or four ranks at a time, in every multi-rank test.
 SPAWN_PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "opsd.trainer", "opsd.checkpoint"]
 
 
