@@ -191,6 +191,9 @@ def shrink(argv: list[str], cache: Path) -> list[str]:
             a = a.split(",")[0]
         elif before == "--cache":
             a = str(cache)
+        elif before == "--variant":  # a variant's lengths within the tiny run's 8 tokens
+            a = re.sub(r"(rollout\.horizon\.start|rollout\.max_new_tokens)=\d+", r"\1=4", a)
+            a = re.sub(r"rollout\.horizon\.end=\d+", "rollout.horizon.end=8", a)
         out.append(a)
     if argv[1] == "demo" and "--steps" not in argv:
         out += ["--steps", "2"]
