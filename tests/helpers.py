@@ -80,9 +80,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, replicate: int, port: int, env: dict, fn, args: tuple) -> None:
+def _entry(rank: int, world: int, replicate: int, port: int, test: tuple, fn, args: tuple) -> None:
     local = world // replicate  # ranks per "node"
-    os.environ.clear()  # the test's environment, not the fork server's (see spawn)
+    pid, env = test  # the test's process and its environment, not the fork server's (see spawn)
+    for fd in (1, 2):  # the test's stdout and stderr as they are now: pytest's capture of this test
+        try:
+            now = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue  # the fork server's, where the test's cannot be opened
+        os.dup2(now, fd)
+        os.close(now)
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -112,12 +120,12 @@ def spawn(fn, *args, world: int = 2, replicate: int = 1) -> None:
 
     ``fn`` is pickled by reference: define it at module level of a test module (or here). Each rank is
     a fresh process forked from the fork server (no state of the test's own process, no collective or
-    thread pool run before the fork), with the test's environment of the moment: the fork server keeps
-    the one it started with, so ``_entry`` sets the caller's."""
+    thread pool run before the fork), with the test's environment, stdout and stderr of the moment:
+    the fork server keeps those it started with, so ``_entry`` sets the caller's."""
     multiprocessing.set_forkserver_preload(SPAWN_PRELOAD)
     mp.start_processes(
         _entry,
-        args=(world, replicate, free_port(), dict(os.environ), fn, args),
+        args=(world, replicate, free_port(), (os.getpid(), dict(os.environ)), fn, args),
         nprocs=world,
         join=True,
         start_method="forkserver",
