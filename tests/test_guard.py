@@ -160,9 +160,19 @@ def collapsing_engine(lengths: list[int]):
     return Collapsing
 
 
+class _ScriptedEvaluation:
+    """What ``Trainer.evaluate`` returns, reduced to the one figure the guard reads."""
+
+    def __init__(self, accuracy: float):
+        self.accuracy = accuracy
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        return {f"{prefix}avg@1": self.accuracy}
+
+
 def _scripted_accuracy(monkeypatch, accs: dict[int, float]) -> None:
     """Held-out accuracy by step instead of an evaluation (the guard reads eval/avg@1)."""
-    monkeypatch.setattr(Trainer, "evaluate", lambda self: {"eval/avg@1": accs[self.step_num]})
+    monkeypatch.setattr(Trainer, "evaluate", lambda self: _ScriptedEvaluation(accs[self.step_num]))
 
 
 GUARDED = {"checkpoint.keep_last": 1, "optim.max_steps": 8, "logging.sample_every": 0}
