@@ -62,7 +62,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "openmp-waiting-and-the-student-pass-benchcpuomp_waitpy": (*STEP, "bench/cpu/omp_wait.py"),
     "opsd-vs-trl-sdft-benchvs_trlpy": (*STEP, "bench/vs_trl.py"),
     "opsd-on-vllm-cpu-amd-epyc-with-avx512-bf16": (*STEP, "bench/vs_trl.py"),
-    "opsd-on-vllm-cpu-intel-xeon-with-amx-bf16": (*STEP, "bench/vs_trl.py"),
+    "opsd-on-its-hf-engine-intel-xeon-with-avx512-no-bf16-units": (*STEP, "bench/vs_trl.py"),
     "demo-benchdemopy": (*COMPARE, "opsd/demo", "bench/demo.py"),
     "demo-comparison-opsd-grpo-sft-controls-benchcomparepy": (*COMPARE, "opsd/demo", "bench/compare.py"),
     "smollm2-135m-opsd-on-math-benchsmollm2_opsdpy": (*STEP, "opsd/eval", "bench/smollm2_opsd.py"),
