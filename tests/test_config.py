@@ -50,7 +50,7 @@ def test_examples_validate(example):
         (["loss.beta=1.5"], r"loss\.beta: .*less than or equal to 1"),
         (["loss.temperature=0"], r"loss\.temperature"),
         (["loss.mode=topk"], "loss: mode=topk needs topk >= 1"),
-        (["loss.mode=sampled"], "loss: mode=sampled needs clip_mode=none"),
+        (["loss.mode=sampled", "loss.clip_mode=entry"], "loss: mode=sampled needs clip_mode=none"),
         (["model.lora.enabled=false", "teacher.frozen_copy=none"], "frozen copy"),
         (["teacher.mode=external"], "teacher.path"),
         (["teacher.path=/x"], "only used with teacher.mode=external"),
