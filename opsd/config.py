@@ -372,7 +372,8 @@ class LossConfig(_Section):
     whether it keeps descent. The default is `none`: on the arithmetic comparison of docs/results.md
     (SmolLM2-135M, 400 test problems) no clip and `scale` 0.05 both end at the base's 2.75%, and
     `entry` 0.05 falls below it (0.25% at step 20, -2.50 points [-4.18, -0.82]; from step 40 the
-    student answers in one token); the demo's gain runs with no clip. The paper recipe (examples/qwen3-1.7b-reference.yaml) keeps `entry`."""
+    student answers in one token); the demo's gain runs with no clip. The paper recipe
+    (examples/qwen3-1.7b-reference.yaml) keeps `entry`."""
 
     mode: Literal[MODES] = Field(
         "jsd",
