@@ -115,12 +115,14 @@ class SolutionQueue(RolloutQueue):
 
     def next(self, step: int, timer) -> tuple[list[int], list, list[Completion], float]:
         """``step``'s problems, their prompt pairs (the student prompt twice: no teacher reads them)
-        and their solutions as completions, a cut one marked ``length``; no policy lag."""
-        ex_idx = self.cursor.next_indices(self.per_rank)
-        pairs = [self.solutions.pair(i) for i in ex_idx]
-        end = self.solutions.tokenizer.eos_token_id
-        completions = [
-            Completion(j, list(target), None, "stop" if target[-1] == end else "length")
-            for j, (_, target) in enumerate(pairs)
-        ]
+        and their solutions as completions, a cut one marked ``length``; no policy lag. Reading the
+        solutions is this objective's rollout, timed as one."""
+        with timer("rollout"):
+            ex_idx = self.cursor.next_indices(self.per_rank)
+            pairs = [self.solutions.pair(i) for i in ex_idx]
+            end = self.solutions.tokenizer.eos_token_id
+            completions = [
+                Completion(j, list(target), None, "stop" if target[-1] == end else "length")
+                for j, (_, target) in enumerate(pairs)
+            ]
         return ex_idx, [(prompt, prompt) for prompt, _ in pairs], completions, 0.0

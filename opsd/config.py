@@ -925,9 +925,7 @@ class Config(_Section):
 
     def reads_teacher(self) -> bool:
         """Whether the objective runs the teacher on the rollouts (GRPO only with a distillation term)."""
-        if self.objective == "sft":
-            return False
-        return self.objective != "grpo" or self.grpo.distill_coef > 0
+        return self.objective in ("opsd", "rlsd") or (self.objective == "grpo" and self.grpo.distill_coef > 0)
 
     def _check_eval(self) -> None:
         """Held-out evaluation needs its file, and its divergence the held-out solutions."""

@@ -140,3 +140,22 @@ def test_rollout_engine_auto_is_vllm_where_installed(monkeypatch):
     assert resolve_engine("auto") == ("vllm", "rollout.engine=auto: vLLM is installed")
     assert RolloutConfig(engine="auto", temperature=1.0).checks_logprobs(resolve_engine("auto")[0])
     assert resolve_engine("hf")[0] == "hf"
+
+
+@pytest.mark.parametrize(
+    "objective, distill_coef, reads",
+    [
+        ("opsd", 0.0, True),
+        ("rlsd", 0.0, True),
+        ("grpo", 0.0, False),
+        ("grpo", 0.5, True),
+        ("sft", 0.0, False),
+        ("sft", 0.5, False),
+    ],
+)
+def test_reads_teacher_only_where_the_objective_scores_with_it(objective, distill_coef, reads):
+    cfg = load_config(
+        None,
+        ["data.path=x.jsonl", f"objective={objective}", f"grpo.distill_coef={distill_coef}", "rollout.n=2"],
+    )
+    assert cfg.reads_teacher() is reads

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from opsd.compare.plan import Budget
-from opsd.compare.records import EvalPoint, MethodRun, _point_text, _read_points, _say, _write_points
+from opsd.compare.records import EvalPoint, MethodRun, _point_text, _read_points, _write_points
 from opsd.errors import UserError
-from opsd.metrics import mean, repetition
+from opsd.metrics import mean, repetition, say
 
 
 def _arm_config(config: Path | None, overrides: list[str], extra: list[str]):
@@ -71,10 +71,10 @@ def run_trainer_method(
                 scored = scored if cfg.reads_teacher() else 0  # GRPO alone and SFT have no teacher
                 run.points.append(_evaluate(trainer, lenient, trainer.step_num, tokens, seconds, scored))
                 _write_points(log, run.points)
-                _say(progress, f"seed {seed} {method} step {trainer.step_num}: {_point_text(run.final)}")
+                say(progress, f"seed {seed} {method} step {trainer.step_num}: {_point_text(run.final)}")
             if guarded:  # a guard (config.guard) ended the method: its last evaluation is at the stop
                 run.stopped_by = f"{guarded} at step {trainer.step_num}"
-                _say(True, f"seed {seed} {method}: {run.stopped_by}")
+                say(True, f"seed {seed} {method}: {run.stopped_by}")
                 break
             if trainer.step_num >= budget.steps:
                 break

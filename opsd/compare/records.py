@@ -4,7 +4,6 @@ progress lines in between."""
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -58,11 +57,3 @@ def _read_run(path: Path) -> MethodRun:
 def _point_text(p: EvalPoint) -> str:
     div = f", held-out divergence {p.divergence:.4f}" if p.divergence is not None else ""
     return f"held-out accuracy {100 * p.accuracy:.1f}%{div}"
-
-
-def _say(progress: bool, msg: str) -> None:
-    """A progress line on stderr, above any progress bar rather than through it."""
-    if progress:
-        from tqdm.auto import tqdm
-
-        tqdm.write(msg, file=sys.stderr)

@@ -21,10 +21,11 @@ from opsd.compare.plan import (
     distill_coefficient,
     method_overrides,
 )
-from opsd.compare.records import MethodRun, _read_run, _say
+from opsd.compare.records import MethodRun, _read_run
 from opsd.compare.report import format_table, plot_compare
 from opsd.compare.tuning import read_tuned
 from opsd.errors import UserError
+from opsd.metrics import say
 
 
 def run_compare(
@@ -66,12 +67,12 @@ def run_compare(
     grpo, grpo_source, mixed, mixed_source = _grpo_settings(cfg, out, budget, grpo_n, grpo_lr)
     coef = distill_coefficient(cfg, distill_coef)
     sft_lr = sft_lr or cfg.optim.lr
-    _say(True, budget.describe())
-    _say(True, f"GRPO settings {asdict(grpo)}, {grpo_source}")
-    _say(True, f"mixed settings {asdict(mixed)}, {mixed_source}; with grpo.distill_coef={coef}")
+    say(True, budget.describe())
+    say(True, f"GRPO settings {asdict(grpo)}, {grpo_source}")
+    say(True, f"mixed settings {asdict(mixed)}, {mixed_source}; with grpo.distill_coef={coef}")
     for m in methods:
         if m in NOTES:
-            _say(True, f"{METHODS[m]}: {NOTES[m]}")
+            say(True, f"{METHODS[m]}: {NOTES[m]}")
     runs: list[MethodRun] = []
     ceiling_path = out / "ceiling.json"
     context = ceiling_context(cfg) if ceiling else []

@@ -18,8 +18,8 @@ from opsd.compare.plan import (
     distill_coefficient,
     tune_file,
 )
-from opsd.compare.records import _say
 from opsd.errors import UserError
+from opsd.metrics import say
 
 
 def no_signal(results: list[dict]) -> bool:
@@ -120,7 +120,7 @@ def run_tune(
         )
         with tried_path.open("a") as f:
             f.write(json.dumps(results[-1]) + "\n")
-        _say(progress, f"tune {method} {i}: {asdict(setting)} late reward {results[-1]['late_reward']:.3f}")
+        say(progress, f"tune {method} {i}: {asdict(setting)} late reward {results[-1]['late_reward']:.3f}")
     best = max(results, key=lambda r: (r["late_reward"], -r["setting"]["lr"]))
     improves = best["late_reward"] > best["first_reward"]
     tune = {
@@ -135,7 +135,7 @@ def run_tune(
     verdict = "improves" if improves else "does NOT improve"
     if no_signal(results):
         verdict += " (every group's reward was flat at every setting: no signal to choose by)"
-    _say(True, f"chosen {best['setting']}: its training reward {verdict} on its first step's; {path}")
+    say(True, f"chosen {best['setting']}: its training reward {verdict} on its first step's; {path}")
     return tune
 
 
