@@ -199,9 +199,10 @@ class ReuseConfig(_Section):
     """Rollouts reused across steps (Semi-OPD, reported by OPSD's first author): the student generates
     the rollouts of several steps at once, each step's stored under logging.run_dir/rollouts (token ids
     and log-probs, one JSONL file per step) and read back by the steps in between and by a resume. The
-    teacher still scores every step's rollouts: only generation is saved, about half of a step on a
-    CPU, at the price of training on an older student's responses. Metrics: rollout/generated_tokens
-    (0 on a reused step) and rollout/reused."""
+    teacher still scores every step's rollouts. Without replay only engine wakes and weight syncs are
+    saved, not tokens; with replay each batch trains K steps, so generation, about half of a step on a
+    CPU, drops K-fold, at the price of training on an older student's responses. Metrics:
+    rollout/generated_tokens (0 on a reused step) and rollout/reused."""
 
     refresh_every: Annotated[int | Literal["inf"] | None, BeforeValidator(_refresh_every)] = Field(
         None,
@@ -219,6 +220,14 @@ class ReuseConfig(_Section):
         description="Refresh early: a step whose reused rollouts have a teacher-student top-1 agreement "
         "(metric agreement) below this makes the next step generate afresh, and the K steps count from "
         "there; null: on schedule only.",
+    )
+    replay: bool = Field(
+        False,
+        description="false: each step trains on its own problems, their rollouts generated ahead at the "
+        "refresh (the same tokens as without reuse, in fewer engine wakes and weight syncs). true: the "
+        "steps between refreshes train again on the refresh step's own problems and responses, K "
+        "optimizer steps on one batch, so generation and the problems drawn drop K-fold; needs a finite "
+        "refresh_every and no refresh_below_agreement.",
     )
 
 
@@ -874,6 +883,13 @@ class Config(_Section):
             raise ValueError(
                 "rollout.reuse.refresh_below_agreement needs rollout.reuse.refresh_every (inf: refresh "
                 "only when the agreement drops)"
+            )
+        if r.reuse.replay and (
+            r.reuse.refresh_every in (None, "inf") or r.reuse.refresh_below_agreement is not None
+        ):
+            raise ValueError(
+                f"rollout.reuse.replay=true trains K steps on each refresh's batch: it needs a finite "
+                f"rollout.reuse.refresh_every (got {r.reuse.refresh_every}) and no refresh_below_agreement"
             )
         if r.reuse.refresh_below_agreement is not None and not self.reads_teacher():
             raise ValueError(

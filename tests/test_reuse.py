@@ -146,6 +146,56 @@ def test_low_agreement_on_reused_rollouts_refreshes_early(assets, tmp_path):
     assert at == [t for t in refreshes for _ in range(t, 5)]  # each refresh covers the rest of the run
 
 
+REPLAY = {**F64, "rollout.reuse.refresh_every": 3, "rollout.reuse.replay": True}
+
+
+def test_replay_trains_k_steps_on_each_refresh_batch_and_draws_only_at_refreshes(assets, tmp_path, off_run):
+    off_steps = off_run[1]
+    tr = Trainer(make_cfg(assets, tmp_path / "run", **REPLAY))
+    events, steps = _watched(tr)
+    recs = tr.train()
+    calls = [e for e in events if e[0] == "generate"]
+    assert [e[1] for e in calls] == [0, 3]  # one generation per refresh, for its own step only
+    for t in range(6):
+        start = t - t % 3
+        assert steps[t][0] == steps[start][0] and steps[t][1] == steps[start][1], t
+        assert _same(steps[t][2], calls[start // 3][3]), t
+    assert steps[0][0] == off_steps[0][0] and steps[3][0] == off_steps[1][0]  # the cursor drew twice
+    assert steps[0][0] != steps[3][0]
+    assert [r["rollout/reused"] for r in recs] == [0, 1, 1, 0, 1, 1]
+    made = [sum(len(c.token_ids) for c in e[3]) for e in calls]
+    assert [r["rollout/generated_tokens"] for r in recs] == [made[0], 0, 0, made[1], 0, 0]
+    assert [r["loss"] for r in recs[:3]] != [recs[0]["loss"]] * 3  # the weights moved between replays
+    stored = sorted(p.name for p in (tmp_path / "run" / "rollouts").iterdir())
+    assert stored == ["step_000000-rank0.jsonl", "step_000003-rank0.jsonl"]
+
+
+def test_replay_resumes_mid_batch_as_an_uninterrupted_run(assets, tmp_path):
+    full = Trainer(make_cfg(assets, tmp_path / "a", **REPLAY)).train()
+    Trainer(make_cfg(assets, tmp_path / "b", **REPLAY)).train(until_step=2)
+    resumed = Trainer(make_cfg(assets, tmp_path / "b", **REPLAY), resume=True)
+    events, _ = _watched(resumed)
+    rest = resumed.train()
+    assert [r["step"] for r in rest] == [3, 4, 5, 6]
+    assert [e[1] for e in events if e[0] == "generate"] == [3]  # step 2 replayed step 0's stored batch
+    for key in ("loss", "divergence", "grad_norm", "rollout/reused", "rollout/generated_tokens"):
+        assert [r[key] for r in full[2:]] == [r[key] for r in rest], key
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["rollout.reuse.refresh_every=inf"],
+        ["rollout.reuse.refresh_every=4", "rollout.reuse.refresh_below_agreement=0.5"],
+    ],
+)
+def test_replay_needs_a_finite_refresh_without_early_refresh(extra):
+    with pytest.raises(UserError, match="replay=true trains K steps") as e:
+        load_config(None, ["data.path=x.jsonl", "rollout.reuse.replay=true", *extra])
+    assert "\n" not in str(e.value)
+
+
 def test_a_failed_write_leaves_no_file_to_read(tmp_path):
     reuse = RolloutReuse(4, None, tmp_path, rank=0, max_steps=8)
     reuse.dir.mkdir()

@@ -64,15 +64,14 @@ class RolloutQueue:
         """``step``'s problems (example indices and prompt pairs), their responses, and the responses'
         policy lag (optimizer steps between the weights that sampled them and the ones they train)."""
         # (A batch restored from an overlapping run's checkpoint is used even with overlap off.)
+        if self.pending is None and self.reuse is not None:  # stored by an earlier step, or generated now
+            with timer("rollout"):
+                return self.reuse.rollouts(self, step)
         if not self.cfg.overlap and self.pending is None:
             ex_idx, prompts = self.draw()
             with timer("rollout"):
-                if self.reuse is None:
-                    completions = self.call(lambda: self.generate([s for s, _ in prompts], step=step))
-                    lag = 0.0
-                else:  # rollout.reuse: stored by an earlier step, or generated now for several
-                    completions, lag = self.reuse.rollouts(self, step, ex_idx, prompts)
-            return ex_idx, prompts, completions, lag
+                completions = self.call(lambda: self.generate([s for s, _ in prompts], step=step))
+            return ex_idx, prompts, completions, 0.0
         pending, lag = self.pending, 1.0
         if pending is None:  # the first step, or a resume without one: nothing was requested ahead
             pending, lag = self.request(step), 0.0

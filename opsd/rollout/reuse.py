@@ -11,6 +11,10 @@ generates every step's rollouts at step 0: only step 0 sees the initial student,
 keeps following the live weights (the HF engine shares the trainer's model, and held-out evaluation
 generates on the engine too), so generating in chunks later would sample from a trained student.
 
+``replay`` trains the steps between refreshes again on the refresh step's own problems and responses
+(K optimizer steps on one batch, as PPO's epochs): generation and the problems drawn drop K-fold, the
+data cursor draws at refresh steps only, and the batch is stored once, under the refresh step's name.
+
 Each step's rollouts are one file, ``<run_dir>/rollouts/step_000123-rank0.jsonl``: a header (the
 problems, the student prompt ids, ``n`` and the sampling settings, seed included) and one line per
 response with its token ids and log-probs, which JSON carries exactly. A step reads its file only
@@ -41,7 +45,8 @@ if TYPE_CHECKING:
 
 class QueueView(Protocol):
     """What the cache reads from :class:`opsd.rollout.queue.RolloutQueue`, which imports this module:
-    its rollout settings, engine, data cursor and CPU plan, and the draw, sampling and call it makes."""
+    its rollout settings, engine, data cursor and CPU plan, and the draw, sampling, generation and call it
+    makes."""
 
     cfg: Any
     engine: Any
@@ -54,6 +59,8 @@ class QueueView(Protocol):
 
     def sampling(self, step: int) -> Any: ...
 
+    def generate(self, prompts: list[list[int]], *, step: int) -> list[Completion]: ...
+
 
 REUSE_DIR = "rollouts"  # under logging.run_dir
 
@@ -65,10 +72,18 @@ class RolloutReuse:
     agreement under which a reused step makes the next one refresh (``refresh_below_agreement``)."""
 
     def __init__(
-        self, refresh_every: int | str, below: float | None, run_dir: Path, rank: int, max_steps: int
+        self,
+        refresh_every: int | str,
+        below: float | None,
+        run_dir: Path,
+        rank: int,
+        max_steps: int,
+        *,
+        replay: bool = False,
     ) -> None:
         self.refresh_every = refresh_every
         self.below = below
+        self.replay = replay  # the steps in between train on the refresh step's own batch
         self.dir = Path(run_dir) / REUSE_DIR
         self.rank = rank
         self.max_steps = max_steps
@@ -82,7 +97,12 @@ class RolloutReuse:
         if r.refresh_every is None:
             return None
         reuse = cls(
-            r.refresh_every, r.refresh_below_agreement, cfg.logging.run_dir, rank, cfg.optim.max_steps
+            r.refresh_every,
+            r.refresh_below_agreement,
+            cfg.logging.run_dir,
+            rank,
+            cfg.optim.max_steps,
+            replay=r.replay,
         )
         if rank == 0:
             print(f"rollout reuse: {reuse.describe()}", file=sys.stderr)
@@ -95,6 +115,8 @@ class RolloutReuse:
             what = "the initial student's rollouts for every step, generated at step 0"
         elif k == 1:
             what = "fresh rollouts every step (refresh_every=1)"
+        elif self.replay:
+            what = f"one batch generated every {k} steps and trained on for {k} steps (replay)"
         else:
             what = f"rollouts generated every {k} steps and reused in between"
         early = f"; early when agreement < {self.below}" if self.below is not None else ""
@@ -103,19 +125,45 @@ class RolloutReuse:
     # ------------------------------------------------------------------------------------------
     # The step's rollouts
 
-    def rollouts(
-        self, queue: QueueView, step: int, ex_idx: list[int], prompts: list
-    ) -> tuple[list[Completion], float]:
-        """``step``'s responses for the problems ``queue`` drew (``ex_idx``, ``prompts``) and their age
+    def rollouts(self, queue: QueueView, step: int) -> tuple[list[int], list, list[Completion], float]:
+        """``step``'s problems (example indices and prompt pairs), their responses and the responses' age
         in optimizer steps: read from the cache, or from a refresh where any rank has none stored."""
-        key = self.key(queue, step, ex_idx, prompts)
-        stored = self.read(step, key)
-        self.reused = not distributed.any_rank(stored is None)
         self.generated_tokens = 0
-        if self.reused:
-            completions, generated_at = stored
-            return completions, float(step - generated_at)
-        return queue.call(lambda: self.refresh(queue, step, key)), 0.0
+        if self.replay:
+            return self.replayed(queue, step)
+        ex_idx, prompts, key, stored = self.drawn(queue, step, stored_as=step)
+        if stored is not None:
+            return ex_idx, prompts, stored[0], float(step - stored[1])
+        return ex_idx, prompts, queue.call(lambda: self.refresh(queue, step, key)), 0.0
+
+    def drawn(self, queue: QueueView, step: int, stored_as: int) -> tuple[list[int], list, dict, Any]:
+        """Draw ``step``'s problems, and the rollouts file ``stored_as`` holds for exactly them (a
+        resumed run's) where every rank has its own; sets ``reused``."""
+        ex_idx, prompts = queue.draw()
+        key = self.key(queue, step, ex_idx, prompts)
+        stored = self.read(stored_as, key)
+        self.reused = not distributed.any_rank(stored is None)
+        return ex_idx, prompts, key, stored if self.reused else None
+
+    def replayed(self, queue: QueueView, step: int) -> tuple[list[int], list, list[Completion], float]:
+        """``replay``: the batch of the last refresh step (``step`` rounded down to a multiple of K),
+        problems and responses, read back; a refresh step draws its problems and generates them, or reads
+        them where a resumed run stored them. A batch missing on any rank is generated now, in its place."""
+        start = step - step % self.refresh_every
+        if step > start:
+            batch = self.read_batch(start)
+            self.reused = not distributed.any_rank(batch is None)
+            if self.reused:
+                ex_idx, prompts, completions, generated_at = batch
+                return ex_idx, prompts, completions, float(step - generated_at)
+        ex_idx, prompts, key, stored = self.drawn(queue, step, stored_as=start)
+        if stored is not None:
+            return ex_idx, prompts, stored[0], float(step - stored[1])
+        completions = queue.call(lambda: queue.generate(key["prompts"], step=step))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.write(start, key, completions, generated_at=step, teacher=[list(t) for _, t in prompts])
+        self.generated_tokens = sum(len(c.token_ids) for c in completions)
+        return ex_idx, prompts, completions, 0.0
 
     def refresh(self, queue: QueueView, step: int, key: dict) -> list[Completion]:
         """Generate and store the rollouts of the steps from ``step`` to the next refresh, each for the
@@ -158,12 +206,24 @@ class RolloutReuse:
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step:06d}-rank{self.rank}.jsonl"
 
-    def write(self, step: int, key: dict, completions: list[Completion], *, generated_at: int) -> None:
-        """``step``'s rollouts, written whole or not at all (a temporary file, synced, then renamed)."""
+    def write(
+        self,
+        step: int,
+        key: dict,
+        completions: list[Completion],
+        *,
+        generated_at: int,
+        teacher: list[list[int]] | None = None,
+    ) -> None:
+        """``step``'s rollouts, written whole or not at all (a temporary file, synced, then renamed);
+        ``teacher``: the teacher prompts too, which a replayed step reads back with the problems."""
         path = self.path(step)
         tmp = path.with_name(f".{path.name}.tmp")
+        head = key | {"generated_at": generated_at}
+        if teacher is not None:
+            head["teacher_prompts"] = teacher
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(key | {"generated_at": generated_at}) + "\n")
+            f.write(json.dumps(head) + "\n")
             for c in completions:
                 f.write(json.dumps([c.prompt_index, c.token_ids, c.logprobs, c.finish_reason]) + "\n")
             f.flush()
@@ -178,10 +238,24 @@ class RolloutReuse:
         lines = path.read_text(encoding="utf-8").splitlines()
         head = json.loads(lines[0])
         generated_at = head.pop("generated_at")
+        head.pop("teacher_prompts", None)
         if head != key:
             return None
         rows = [json.loads(line) for line in lines[1:]]
         return [Completion(i, t, lp, r) for i, t, lp, r in rows], generated_at
+
+    def read_batch(self, step: int) -> tuple[list[int], list, list[Completion], int] | None:
+        """A replayed batch stored under ``step``: its problems, prompt pairs, responses and the step
+        that generated them; None where there is none."""
+        path = self.path(step)
+        if not path.is_file():
+            return None
+        lines = path.read_text(encoding="utf-8").splitlines()
+        head = json.loads(lines[0])
+        prompts = list(zip(head["prompts"], head["teacher_prompts"], strict=True))
+        rows = [json.loads(line) for line in lines[1:]]
+        completions = [Completion(i, t, lp, r) for i, t, lp, r in rows]
+        return head["example_indices"], prompts, completions, head["generated_at"]
 
     def drop_from(self, step: int) -> None:
         """Forget the stored rollouts of ``step`` and later (an early refresh), lowest first, so that an
