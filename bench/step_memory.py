@@ -24,8 +24,6 @@ import _common
 import psutil
 from train_step import MATH, bench_config
 
-PHASES = ("rollouts", "forward_backward")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,6 +32,8 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="extra config overrides")
     args = ap.parse_args()
 
+    import opsd.rollout.queue
+    import opsd.setup
     import opsd.teacher
     import opsd.trainer
 
@@ -51,21 +51,22 @@ def main() -> None:
                 per_step[step[0]] = max(per_step.get(step[0], 0), rss)
             time.sleep(0.02)
 
-    def marked(cls, name: str) -> None:
-        method = getattr(cls, name)
+    def marked(owner, name: str, label: str) -> None:
+        """Count ``owner.name`` (a method or a module's function) as the phase ``label`` while it runs."""
+        fn = getattr(owner, name)
 
-        @functools.wraps(method)
-        def wrapper(self, *a, **kw):
-            phase.append(name)
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            phase.append(label)
             try:
-                return method(self, *a, **kw)
+                return fn(*a, **kw)
             finally:
                 phase.pop()
 
-        setattr(cls, name, wrapper)
+        setattr(owner, name, wrapper)
 
-    for name in PHASES:
-        marked(opsd.trainer.Trainer, name)
+    marked(opsd.rollout.queue.RolloutQueue, "next", "rollouts")
+    marked(opsd.setup, "forward_backward", "forward_backward")  # the micro-batch loop setup builds
     train_step = opsd.trainer.Trainer.step
 
     def counted_step(self):
@@ -73,7 +74,7 @@ def main() -> None:
         return train_step(self)
 
     opsd.trainer.Trainer.step = counted_step
-    marked(opsd.teacher.Teacher, "score")
+    marked(opsd.teacher.Teacher, "score", "score")
     threading.Thread(target=sample, daemon=True).start()
     cfg = bench_config(args.data, [f"optim.max_steps={args.steps}", *args.overrides])
     phase.append("build")
