@@ -226,8 +226,9 @@ class ReuseConfig(_Section):
         description="false: each step trains on its own problems, their rollouts generated ahead at the "
         "refresh (the same tokens as without reuse, in fewer engine wakes and weight syncs). true: the "
         "steps between refreshes train again on the refresh step's own problems and responses, K "
-        "optimizer steps on one batch, so generation and the problems drawn drop K-fold; needs a finite "
-        "refresh_every and no refresh_below_agreement.",
+        "optimizer steps on one batch, so generation and the problems drawn drop K-fold; the batch is kept "
+        "with each checkpoint, so a resume mid-batch finishes it. Needs a finite refresh_every and no "
+        "refresh_below_agreement.",
     )
 
 

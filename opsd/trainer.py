@@ -208,7 +208,8 @@ class Trainer:
             rank=self.rank,
             world=self.world,
         )
-        lag = {"policy_lag": out.policy_lag} if self.cfg.rollout.overlap else {}
+        lagging = self.cfg.rollout.overlap or self.cfg.rollout.reuse.refresh_every is not None
+        lag = {"policy_lag": out.policy_lag} if lagging else {}
         anchor = {"sft_loss": total["sft_loss"]} if "sft_loss" in total else {}
         reuse = self.queue.observe(rec)  # rollout.reuse: generated tokens, reused or not
         return rec | self.objective.metrics(total) | lag | anchor | reuse

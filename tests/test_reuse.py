@@ -170,16 +170,42 @@ def test_replay_trains_k_steps_on_each_refresh_batch_and_draws_only_at_refreshes
     assert stored == ["step_000000-rank0.jsonl", "step_000003-rank0.jsonl"]
 
 
-def test_replay_resumes_mid_batch_as_an_uninterrupted_run(assets, tmp_path):
+@pytest.mark.parametrize("stop", [2, 3])  # mid-batch, and at the next refresh
+def test_replay_resumes_as_an_uninterrupted_run(assets, tmp_path, stop):
     full = Trainer(make_cfg(assets, tmp_path / "a", **REPLAY)).train()
-    Trainer(make_cfg(assets, tmp_path / "b", **REPLAY)).train(until_step=2)
+    Trainer(make_cfg(assets, tmp_path / "b", **REPLAY)).train(until_step=stop)
     resumed = Trainer(make_cfg(assets, tmp_path / "b", **REPLAY), resume=True)
     events, _ = _watched(resumed)
     rest = resumed.train()
-    assert [r["step"] for r in rest] == [3, 4, 5, 6]
-    assert [e[1] for e in events if e[0] == "generate"] == [3]  # step 2 replayed step 0's stored batch
-    for key in ("loss", "divergence", "grad_norm", "rollout/reused", "rollout/generated_tokens"):
-        assert [r[key] for r in full[2:]] == [r[key] for r in rest], key
+    assert [r["step"] for r in rest] == list(range(stop + 1, 7))
+    assert [e[1] for e in events if e[0] == "generate"] == [3]  # step 2 replayed the checkpoint's batch
+    for key in (
+        "loss",
+        "divergence",
+        "grad_norm",
+        "policy_lag",
+        "rollout/reused",
+        "rollout/generated_tokens",
+    ):
+        assert [r[key] for r in full[stop:]] == [r[key] for r in rest], key
+    assert [r["policy_lag"] for r in full] == [0, 1, 2, 0, 1, 2]
+
+
+def test_replay_mid_batch_finishes_the_checkpoint_batch_and_switching_it_on_refreshes(assets, tmp_path):
+    Trainer(make_cfg(assets, tmp_path / "a", **REPLAY)).train(until_step=2)
+    hotter = Trainer(make_cfg(assets, tmp_path / "a", **REPLAY, **{"rollout.temperature": 0.5}), resume=True)
+    events, steps = _watched(hotter)
+    recs = hotter.train(until_step=3)  # the batch of step 0, as checkpointed, whatever the temperature now
+    assert not [e for e in events if e[0] == "generate"] and recs[0]["rollout/reused"] == 1
+    rows = (tmp_path / "a" / "rollouts" / "step_000000-rank0.jsonl").read_text().splitlines()
+    assert [c.row() for c in steps[2][2]] == [json.loads(r) for r in rows[1:]]
+    stale = {**F64, "rollout.reuse.refresh_every": 3}
+    Trainer(make_cfg(assets, tmp_path / "b", **stale)).train(until_step=4)
+    switched = Trainer(make_cfg(assets, tmp_path / "b", **REPLAY), resume=True)
+    events, steps = _watched(switched)
+    recs = switched.train()  # no batch in the checkpoint: step 4 refreshes (its stored rollouts)
+    assert [r["rollout/reused"] for r in recs] == [0, 1]
+    assert steps[5][0] == steps[4][0] and _same(steps[5][2], steps[4][2])
 
 
 @pytest.mark.parametrize(

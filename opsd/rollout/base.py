@@ -53,6 +53,30 @@ class Completion:
     logprobs: list[float] | None
     finish_reason: str  # "stop" | "length"
 
+    def row(self) -> list:
+        """This completion as a JSON row (also what a weights-only checkpoint load accepts)."""
+        return [self.prompt_index, self.token_ids, self.logprobs, self.finish_reason]
+
+    @classmethod
+    def from_row(cls, row: list) -> Completion:
+        i, t, lp, r = row
+        return cls(i, list(t), list(lp) if lp is not None else None, r)
+
+
+def batch_state(example_indices: list[int], prompts: list, completions: list[Completion]) -> dict:
+    """A step's problems, prompt pairs and responses in plain types, for a checkpoint."""
+    return {
+        "example_indices": list(example_indices),
+        "prompts": [[list(s), list(t)] for s, t in prompts],
+        "completions": [c.row() for c in completions],
+    }
+
+
+def batch_from_state(state: dict) -> tuple[list[int], list[tuple[list[int], list[int]]], list[Completion]]:
+    """:func:`batch_state`'s problems, prompt pairs and responses back."""
+    prompts = [(list(s), list(t)) for s, t in state["prompts"]]
+    return list(state["example_indices"]), prompts, [Completion.from_row(r) for r in state["completions"]]
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):

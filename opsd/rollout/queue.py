@@ -17,7 +17,7 @@ from opsd import distributed
 from opsd.cpu import CpuPlan
 from opsd.data.sampler import DataCursor
 from opsd.errors import EngineError
-from opsd.rollout.base import Completion, RolloutEngine, SamplingParams
+from opsd.rollout.base import Completion, RolloutEngine, SamplingParams, batch_from_state, batch_state
 from opsd.rollout.reuse import RolloutReuse
 
 
@@ -138,29 +138,29 @@ class RolloutQueue:
         return params
 
     def state_dict(self) -> dict | None:
-        """The rollouts requested ahead, collected, in types a weights-only load accepts: regenerating
-        them on resume would need the previous step's weights."""
-        if self.pending is None:
-            return None
-        done = self.collect(self.pending)
-        return {
-            "example_indices": self.pending.example_indices,
-            "prompts": [[list(s), list(t)] for s, t in self.pending.prompts],
-            "completions": [[c.prompt_index, c.token_ids, c.logprobs, c.finish_reason] for c in done],
-        }
+        """The rollouts requested ahead, collected, and ``rollout.reuse.replay``'s batch (key ``replay``),
+        in types a weights-only load accepts: regenerating them on resume would need earlier weights."""
+        state = {}
+        if self.pending is not None:
+            done = self.collect(self.pending)
+            state = batch_state(self.pending.example_indices, self.pending.prompts, done)
+        replay = self.reuse.state_dict() if self.reuse is not None else None
+        if replay is not None:
+            state["replay"] = replay
+        return state or None
 
     def load_state_dict(self, state: dict | None) -> None:
-        """A checkpoint's pending batch; none on any rank (another number of ranks) drops it on all."""
+        """A checkpoint's pending batch and replayed batch; one missing on any rank (another number of
+        ranks) is dropped on all."""
+        state = state or {}
         self.pending = None
-        if state:
-            completions = [
-                Completion(i, list(t), list(lp) if lp is not None else None, r)
-                for i, t, lp, r in state["completions"]
-            ]
-            prompts = [(list(s), list(t)) for s, t in state["prompts"]]
-            self.pending = Pending(list(state["example_indices"]), prompts, None, completions)
+        if "completions" in state:
+            ex_idx, prompts, completions = batch_from_state(state)
+            self.pending = Pending(ex_idx, prompts, None, completions)
         if distributed.any_rank(self.pending is None):
             self.pending = None
+        if self.reuse is not None:
+            self.reuse.load_state_dict(state.get("replay"))
 
 
 def horizon_tokens(horizon: dict[str, int], step: int) -> int:

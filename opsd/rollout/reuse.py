@@ -11,9 +11,12 @@ generates every step's rollouts at step 0: only step 0 sees the initial student,
 keeps following the live weights (the HF engine shares the trainer's model, and held-out evaluation
 generates on the engine too), so generating in chunks later would sample from a trained student.
 
-``replay`` trains the steps between refreshes again on the refresh step's own problems and responses
-(K optimizer steps on one batch, as PPO's epochs): generation and the problems drawn drop K-fold, the
-data cursor draws at refresh steps only, and the batch is stored once, under the refresh step's name.
+``replay`` trains the steps after a refresh again on the refresh step's own problems and responses
+(K optimizer steps on one batch, as PPO's epochs): generation and the problems drawn drop K-fold, and
+the data cursor draws at refresh steps only. The batch being replayed is kept with each checkpoint (as
+``rollout.overlap``'s batch requested ahead), so a resume mid-batch finishes it exactly, even where a
+sampling setting changed; a resume on another number of ranks, or without one, refreshes at once. Its
+refresh step's file serves a resume at that very step.
 
 Each step's rollouts are one file, ``<run_dir>/rollouts/step_000123-rank0.jsonl``: a header (the
 problems, the student prompt ids, ``n`` and the sampling settings, seed included) and one line per
@@ -30,14 +33,14 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from opsd import distributed
-from opsd.rollout.base import Completion
+from opsd.rollout.base import Completion, batch_from_state, batch_state
 
 if TYPE_CHECKING:
     from opsd.config import Config
@@ -65,6 +68,16 @@ class QueueView(Protocol):
 REUSE_DIR = "rollouts"  # under logging.run_dir
 
 
+@dataclass
+class ReplayBatch:
+    """``replay``'s batch: the problems, prompt pairs and responses of the step that generated them."""
+
+    example_indices: list[int]
+    prompts: list[tuple[list[int], list[int]]]
+    completions: list[Completion]
+    generated_at: int
+
+
 class RolloutReuse:
     """The rollout cache of one rank: which steps refresh, their files, and the step's metrics.
 
@@ -84,6 +97,7 @@ class RolloutReuse:
         self.refresh_every = refresh_every
         self.below = below
         self.replay = replay  # the steps in between train on the refresh step's own batch
+        self.batch: ReplayBatch | None = None  # replay: the batch being replayed
         self.dir = Path(run_dir) / REUSE_DIR
         self.rank = rank
         self.max_steps = max_steps
@@ -131,39 +145,56 @@ class RolloutReuse:
         self.generated_tokens = 0
         if self.replay:
             return self.replayed(queue, step)
-        ex_idx, prompts, key, stored = self.drawn(queue, step, stored_as=step)
+        ex_idx, prompts, key, stored = self.drawn(queue, step)
         if stored is not None:
             return ex_idx, prompts, stored[0], float(step - stored[1])
         return ex_idx, prompts, queue.call(lambda: self.refresh(queue, step, key)), 0.0
 
-    def drawn(self, queue: QueueView, step: int, stored_as: int) -> tuple[list[int], list, dict, Any]:
-        """Draw ``step``'s problems, and the rollouts file ``stored_as`` holds for exactly them (a
-        resumed run's) where every rank has its own; sets ``reused``."""
+    def drawn(self, queue: QueueView, step: int) -> tuple[list[int], list, dict, Any]:
+        """Draw ``step``'s problems, and the rollouts stored for exactly them at ``step`` (by a refresh,
+        or by a resumed run) where every rank has its own; sets ``reused``."""
         ex_idx, prompts = queue.draw()
         key = self.key(queue, step, ex_idx, prompts)
-        stored = self.read(stored_as, key)
+        stored = self.read(step, key)
         self.reused = not distributed.any_rank(stored is None)
         return ex_idx, prompts, key, stored if self.reused else None
 
     def replayed(self, queue: QueueView, step: int) -> tuple[list[int], list, list[Completion], float]:
-        """``replay``: the batch of the last refresh step (``step`` rounded down to a multiple of K),
-        problems and responses, read back; a refresh step draws its problems and generates them, or reads
-        them where a resumed run stored them. A batch missing on any rank is generated now, in its place."""
-        start = step - step % self.refresh_every
-        if step > start:
-            batch = self.read_batch(start)
-            self.reused = not distributed.any_rank(batch is None)
-            if self.reused:
-                ex_idx, prompts, completions, generated_at = batch
-                return ex_idx, prompts, completions, float(step - generated_at)
-        ex_idx, prompts, key, stored = self.drawn(queue, step, stored_as=start)
+        """``replay``: the batch being replayed, until K steps after the one that generated it; then (or
+        where any rank has none) the step draws its problems and generates them, or reads them where an
+        interrupted run stored them at this step. A refresh reports its tokens either way, as a run
+        without the interruption does."""
+        b = self.batch
+        due = b is None or step - b.generated_at >= self.refresh_every
+        self.reused = not distributed.any_rank(due)
+        if self.reused:
+            return b.example_indices, b.prompts, b.completions, float(step - b.generated_at)
+        ex_idx, prompts, key, stored = self.drawn(queue, step)
+        self.reused = False
         if stored is not None:
-            return ex_idx, prompts, stored[0], float(step - stored[1])
-        completions = queue.call(lambda: queue.generate(key["prompts"], step=step))
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.write(start, key, completions, generated_at=step, teacher=[list(t) for _, t in prompts])
+            completions = stored[0]
+        else:
+            completions = queue.call(lambda: queue.generate(key["prompts"], step=step))
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.write(step, key, completions, generated_at=step)
         self.generated_tokens = sum(len(c.token_ids) for c in completions)
+        self.batch = ReplayBatch(ex_idx, prompts, completions, step)
         return ex_idx, prompts, completions, 0.0
+
+    def state_dict(self) -> dict | None:
+        """The batch being replayed, in types a weights-only load accepts (None: nothing to replay)."""
+        b = self.batch
+        if b is None:
+            return None
+        return batch_state(b.example_indices, b.prompts, b.completions) | {"generated_at": b.generated_at}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """A checkpoint's replayed batch; none on any rank (another number of ranks) drops it on all."""
+        self.batch = None
+        if state:
+            self.batch = ReplayBatch(*batch_from_state(state), state["generated_at"])
+        if distributed.any_rank(self.batch is None):
+            self.batch = None
 
     def refresh(self, queue: QueueView, step: int, key: dict) -> list[Completion]:
         """Generate and store the rollouts of the steps from ``step`` to the next refresh, each for the
@@ -206,26 +237,14 @@ class RolloutReuse:
     def path(self, step: int) -> Path:
         return self.dir / f"step_{step:06d}-rank{self.rank}.jsonl"
 
-    def write(
-        self,
-        step: int,
-        key: dict,
-        completions: list[Completion],
-        *,
-        generated_at: int,
-        teacher: list[list[int]] | None = None,
-    ) -> None:
-        """``step``'s rollouts, written whole or not at all (a temporary file, synced, then renamed);
-        ``teacher``: the teacher prompts too, which a replayed step reads back with the problems."""
+    def write(self, step: int, key: dict, completions: list[Completion], *, generated_at: int) -> None:
+        """``step``'s rollouts, written whole or not at all (a temporary file, synced, then renamed)."""
         path = self.path(step)
         tmp = path.with_name(f".{path.name}.tmp")
-        head = key | {"generated_at": generated_at}
-        if teacher is not None:
-            head["teacher_prompts"] = teacher
         with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(head) + "\n")
+            f.write(json.dumps(key | {"generated_at": generated_at}) + "\n")
             for c in completions:
-                f.write(json.dumps([c.prompt_index, c.token_ids, c.logprobs, c.finish_reason]) + "\n")
+                f.write(json.dumps(c.row()) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -238,24 +257,10 @@ class RolloutReuse:
         lines = path.read_text(encoding="utf-8").splitlines()
         head = json.loads(lines[0])
         generated_at = head.pop("generated_at")
-        head.pop("teacher_prompts", None)
         if head != key:
             return None
         rows = [json.loads(line) for line in lines[1:]]
-        return [Completion(i, t, lp, r) for i, t, lp, r in rows], generated_at
-
-    def read_batch(self, step: int) -> tuple[list[int], list, list[Completion], int] | None:
-        """A replayed batch stored under ``step``: its problems, prompt pairs, responses and the step
-        that generated them; None where there is none."""
-        path = self.path(step)
-        if not path.is_file():
-            return None
-        lines = path.read_text(encoding="utf-8").splitlines()
-        head = json.loads(lines[0])
-        prompts = list(zip(head["prompts"], head["teacher_prompts"], strict=True))
-        rows = [json.loads(line) for line in lines[1:]]
-        completions = [Completion(i, t, lp, r) for i, t, lp, r in rows]
-        return head["example_indices"], prompts, completions, head["generated_at"]
+        return [Completion.from_row(r) for r in rows], generated_at
 
     def drop_from(self, step: int) -> None:
         """Forget the stored rollouts of ``step`` and later (an early refresh), lowest first, so that an
