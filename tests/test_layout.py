@@ -160,3 +160,36 @@ def test_the_package_imports_no_bench_or_tests():
         roots = {root for root, _ in _top_level_roots(path, anywhere=True)}
         bad = {"bench", "tests", "helpers", "conftest", "_common"} & roots
         assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's lines without its docstring."""
+    body = fn.body
+    docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    if docstring and isinstance(body[0].value.value, str):
+        if len(body) == 1:
+            return 0
+        return fn.end_lineno - body[1].lineno + 1
+    return fn.end_lineno - body[0].lineno + 1
+
+
+def test_modules_and_functions_stay_small():
+    """No module over 600 lines (config.py, which only declares fields, is exempt) and no function over
+    80 lines, docstring excluded: past these sizes a newcomer reads a file instead of a module."""
+    long_modules, long_functions = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        source = path.read_text()
+        if len(source.splitlines()) > 600 and path.name != "config.py":
+            long_modules.append(str(path.relative_to(PKG.parent)))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _body_lines(node) > 80:
+                long_functions.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name}")
+    assert not long_modules, long_modules
+    assert not long_functions, long_functions
+
+
+def test_the_size_count_leaves_out_the_docstring_only():
+    fn = ast.parse('def f():\n    """Doc\n    more."""\n    a = 1\n    return a\n').body[0]
+    assert _body_lines(fn) == 2
+    fn = ast.parse("def g():\n    a = 1\n    b = 2\n    return a + b\n").body[0]
+    assert _body_lines(fn) == 3
