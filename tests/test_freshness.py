@@ -55,6 +55,11 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "rollout-benchrolloutpy": ("opsd/rollout", "opsd/models.py", "bench/rollout.py"),
     "hf-engine-benchcpuhf_enginepy": ("opsd/rollout", "opsd/cpu", "opsd/models.py", "bench/cpu/hf_engine.py"),
     "vllm-cpu-vs-hf-engine-benchvllm_rolloutpy": ("opsd/rollout", "opsd/cpu", "bench/vllm_rollout.py"),
+    "vllm-cpu-vs-hf-engine-on-an-intel-xeon-with-avx512-no-bf16-units": (
+        "opsd/rollout",
+        "opsd/cpu",
+        "bench/vllm_rollout.py",
+    ),
     "train-step-benchtrain_steppy": (*STEP, "bench/train_step.py"),
     "train-step-memory-benchstep_memorypy": (*STEP, "bench/step_memory.py"),
     "attention-kernels-kept-per-length-benchcpusdpa_lengthspy": ("opsd/cpu", "bench/cpu/sdpa_lengths.py"),
