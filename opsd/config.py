@@ -201,8 +201,9 @@ class ReuseConfig(_Section):
     and log-probs, one JSONL file per step) and read back by the steps in between and by a resume. The
     teacher still scores every step's rollouts. Without replay only engine wakes and weight syncs are
     saved, not tokens; with replay each batch trains K steps, so generation, about half of a step on a
-    CPU, drops K-fold, at the price of training on an older student's responses. Metrics:
-    rollout/generated_tokens (0 on a reused step) and rollout/reused."""
+    CPU, drops K-fold, at the price of training on an older student's responses. objective grpo and
+    rlsd weigh those by grpo.tis_cap's importance ratio (required). Metrics: rollout/generated_tokens
+    (0 on a reused step) and rollout/reused."""
 
     refresh_every: Annotated[int | Literal["inf"] | None, BeforeValidator(_refresh_every)] = Field(
         None,
@@ -896,6 +897,16 @@ class Config(_Section):
             raise ValueError(
                 "rollout.reuse.refresh_below_agreement reads the teacher-student agreement: objective=grpo "
                 "measures none without grpo.distill_coef > 0"
+            )
+        if (
+            r.reuse.refresh_every not in (None, 1)
+            and self.objective in ("grpo", "rlsd")
+            and not (self.grpo.tis_cap and r.plain_sampling())
+        ):
+            raise ValueError(
+                f"rollout.reuse with objective={self.objective} trains the policy gradient on an older "
+                "student's responses: it needs grpo.tis_cap >= 1 (each token weighed by min(S / S_engine, "
+                "cap)) and log-probs to weigh by (rollout.temperature > 0, top_k=0, top_p=1)"
             )
         if r.overlap and r.engine != "vllm_server":
             raise ValueError("rollout.overlap=1 needs rollout.engine=vllm_server (separate servers)")

@@ -120,6 +120,25 @@ def test_resume_reads_the_stored_rollouts_and_trains_as_an_uninterrupted_run(ass
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text(), name
 
 
+def test_a_resume_at_a_refresh_its_run_had_stored_reports_that_refresh(assets, tmp_path):
+    """A run that stored step 4's refresh (the rollouts of steps 4 and 5) and stopped before step 4's
+    checkpoint resumes at 4 reading them: its records are the uninterrupted run's, a refresh at 4."""
+    over = {**F64, "rollout.reuse.refresh_every": 4}
+    full = Trainer(make_cfg(assets, tmp_path / "a", **over)).train()
+    Trainer(make_cfg(assets, tmp_path / "b", **over)).train(until_step=4)
+    for t in (4, 5):
+        name = f"step_{t:06d}-rank0.jsonl"
+        (tmp_path / "b" / "rollouts" / name).write_bytes((tmp_path / "a" / "rollouts" / name).read_bytes())
+    resumed = Trainer(make_cfg(assets, tmp_path / "b", **over), resume=True)
+    events, _ = _watched(resumed)
+    rest = resumed.train()
+    assert [e for e in events if e[0] == "generate"] == []  # read back, not generated again
+    assert [r["rollout/reused"] for r in rest] == [0, 1]
+    assert full[4]["rollout/generated_tokens"] > 0
+    for key in ("loss", "rollout/reused", "rollout/generated_tokens"):
+        assert [r[key] for r in full[4:]] == [r[key] for r in rest], key
+
+
 def test_a_changed_sampling_setting_is_not_read_from_the_store(assets, tmp_path):
     over = {**F64, "optim.max_steps": 4, "rollout.reuse.refresh_every": 4}
     Trainer(make_cfg(assets, tmp_path / "run", **over)).train(until_step=2)
@@ -247,6 +266,21 @@ def test_reuse_combinations_are_refused():
     for v in ("inf", ".inf", "4"):
         cfg = load_config(None, ["data.path=x.jsonl", f"rollout.reuse.refresh_every={v}"])
         assert cfg.rollout.reuse.refresh_every == ("inf" if "inf" in v else 4)
+
+
+@pytest.mark.parametrize("objective", ["grpo", "rlsd"])
+def test_policy_gradients_on_reused_rollouts_need_the_importance_weight(objective):
+    base = ["data.path=x.jsonl", f"objective={objective}", "rollout.temperature=1.0", "rollout.n=2"]
+    for refresh in ("4", "inf"):
+        with pytest.raises(UserError, match="needs grpo.tis_cap >= 1") as e:
+            load_config(None, [*base, f"rollout.reuse.refresh_every={refresh}", "grpo.tis_cap=0"])
+        assert "\n" not in str(e.value)
+    with pytest.raises(UserError, match="needs grpo.tis_cap >= 1"):
+        load_config(None, [*base, "rollout.reuse.refresh_every=4", "rollout.top_p=0.9"])
+    cfg = load_config(None, [*base, "rollout.reuse.refresh_every=4"])  # the default cap weighs them
+    assert cfg.grpo.tis_cap == 2
+    off = [*base, "rollout.reuse.refresh_every=1", "grpo.tis_cap=0"]  # 1 is reuse off: nothing is older
+    assert load_config(None, off).rollout.reuse.refresh_every == 1
 
 
 def test_the_startup_line_names_the_setting(assets, tmp_path, capsys):

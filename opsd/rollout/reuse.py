@@ -146,9 +146,13 @@ class RolloutReuse:
         if self.replay:
             return self.replayed(queue, step)
         ex_idx, prompts, key, stored = self.drawn(queue, step)
-        if stored is not None:
-            return ex_idx, prompts, stored[0], float(step - stored[1])
-        return ex_idx, prompts, queue.call(lambda: self.refresh(queue, step, key)), 0.0
+        if stored is None:
+            return ex_idx, prompts, queue.call(lambda: self.refresh(queue, step, key)), 0.0
+        completions, generated_at = stored
+        if generated_at == step:  # a resume at a refresh its interrupted run stored: reported as that refresh
+            self.reused = False
+            self.generated_tokens = self.tokens_generated_at(step)
+        return ex_idx, prompts, completions, float(step - generated_at)
 
     def drawn(self, queue: QueueView, step: int) -> tuple[list[int], list, dict, Any]:
         """Draw ``step``'s problems, and the rollouts stored for exactly them at ``step`` (by a refresh,
@@ -261,6 +265,16 @@ class RolloutReuse:
             return None
         rows = [json.loads(line) for line in lines[1:]]
         return [Completion.from_row(r) for r in rows], generated_at
+
+    def tokens_generated_at(self, step: int) -> int:
+        """The response tokens this rank's stored files hold from the refresh at ``step``: what that
+        refresh generated, reported again by a resume that reads them instead."""
+        total = 0
+        for path in sorted(self.dir.glob(f"step_*-rank{self.rank}.jsonl")):
+            lines = path.read_text(encoding="utf-8").splitlines()
+            if json.loads(lines[0])["generated_at"] == step:
+                total += sum(len(Completion.from_row(json.loads(line)).token_ids) for line in lines[1:])
+        return total
 
     def drop_from(self, step: int) -> None:
         """Forget the stored rollouts of ``step`` and later (an early refresh), lowest first, so that an
