@@ -16,7 +16,14 @@ run's own prompts, engine, grader and loss:
   divergence the configured clip removes, the share of tokens whose clipped gradient raises their
   own divergence (``entry``), and at the student's end token, the teacher's probability of ending
   beside the student's (:class:`TokenStats`' ``end_teacher`` and ``end_student``): where the teacher
-  would rather go on, OPSD teaches the student not to stop.
+  would rather go on, OPSD teaches the student not to stop;
+* on the same tokens, whether the solution still matters there: the divergence between the teacher
+  reading it and the teacher reading another problem's (control B's), over the teacher's divergence
+  from the student, and the share of tokens whose top-1 the two teachers disagree on. A ceiling far
+  above control B's says the solution decides the teacher's own answers; these say whether it decides
+  the teacher's pull on the tokens the student writes, where OPSD teaches. Below 1, control B's
+  teacher is nearer the teacher than the student is: most of the pull is the same whichever solution
+  the teacher reads, and OPSD may teach no more than control B.
 
 The verdict (:func:`verdict`): headroom = ceiling - student with a paired 95% interval, and go or
 no-go with its reasons; printed and saved as ``probe.json``.
@@ -37,6 +44,8 @@ from opsd.metrics import mean, say
 BATCH = 8  # sequences a probe forward takes at once
 MIN_TEACHER_STOPS = 0.5  # below this share of ceiling answers ending on their own, the teacher rambles
 MAX_SAMPLE_TRUNCATION = 0.5  # above this share of rollouts cut at the limit, the teacher scores noise
+# Below this, control B's teacher is nearer the teacher than the student is on the student's tokens.
+MIN_SOLUTION_RATIO = 1.0
 
 
 @dataclass
@@ -64,6 +73,8 @@ class TokenStats:
     end_student: float | None  # the student's own, at the same positions
     end_teacher_correct: float | None  # the teacher's, at the ends of correct responses only
     end_teacher_wrong: float | None  # ... of wrong ones
+    solution_ratio: float | None = None  # D(teacher, control B's teacher) / D(teacher, student), summed
+    solution_top1_differs: float | None = None  # share of tokens whose top-1 the two teachers disagree on
 
 
 def verdict(probe: dict) -> tuple[str, list[str]]:
@@ -102,6 +113,13 @@ def verdict(probe: dict) -> tuple[str, list[str]]:
         notes.append(
             f"{tokens['steps_away']:.1%} of the sampled tokens step away from their teacher under "
             "loss.clip_mode=entry (loss.clip_mode=scale or none keep every step a descent)"
+        )
+    ratio = tokens.get("solution_ratio") if tokens else None
+    if ratio is not None and ratio < MIN_SOLUTION_RATIO:
+        notes.append(
+            f"on the student's own tokens the teacher reading another problem's solution is nearer the "
+            f"teacher than the student is (divergence {ratio:.2f}x the student's): most of the teacher's "
+            "pull is the same whichever solution it reads, so OPSD may teach no more than control B"
         )
     pull = tokens and tokens["end_teacher"] is not None and tokens["end_student"] is not None
     if pull and tokens["end_teacher"] < 0.5 * tokens["end_student"]:
@@ -181,25 +199,33 @@ def _logits(trainer, seqs: list[list[int]], response_lens: list[int], *, teacher
 
 
 def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> TokenStats:
-    """:class:`TokenStats` over every sampled response: a student and a teacher forward each, the
-    loss's dense oracle on one response's ``[R, V]`` block at a time."""
+    """:class:`TokenStats` over every sampled response: a student forward and two teacher forwards
+    each (with the problem's solution, and with another problem's where there are two problems or
+    more), the loss's dense oracle on one response's ``[R, V]`` block at a time."""
     import torch
 
     from opsd.data import PromptBuilder
+    from opsd.data.controls import apply_solution_source
     from opsd.loss import per_token_loss_dense, topk_overlap_mass
     from opsd.rollout.base import _stop_ids
 
     raw_spec = replace(spec, clip_mode="none", clip=0.0)
     builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
     ends = set(_stop_ids(trainer.tokenizer, trainer.model, []))
-    sums = dict(tokens=0, divergence=0.0, differs=0.0, overlap=0.0, removed=0.0, away=0)
+    others = apply_solution_source(examples, "other")[0] if len(examples) > 1 else None
+    sums = dict(tokens=0, divergence=0.0, differs=0.0, overlap=0.0, removed=0.0, away=0, apart=0.0, split=0)
     end_t: list[float] = []
     end_s: list[float] = []
     end_by: dict[bool, list[float]] = {True: [], False: []}
-    for c, ok, zs, zt in _scored(trainer, builder, examples, completions, correct):
+    scored = _scored(trainer, builder, examples, completions, correct, others)
+    for c, ok, zs, zt, zo in scored:
         r = len(c.token_ids)
         with torch.no_grad():
             raw = per_token_loss_dense(zs, zt, spec=raw_spec)
+        if zo is not None:
+            apart, split = solution_signal(zt, zo, raw_spec)
+            sums["apart"] += apart
+            sums["split"] += split
         sums["tokens"] += r
         sums["divergence"] += raw.sum().item()
         sums["differs"] += (zs.argmax(-1) != zt.argmax(-1)).sum().item()
@@ -227,7 +253,22 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
         end_student=mean(end_s),
         end_teacher_correct=mean(end_by[True]),
         end_teacher_wrong=mean(end_by[False]),
+        solution_ratio=sums["apart"] / max(sums["divergence"], 1e-30) if others else None,
+        solution_top1_differs=sums["split"] / n if others else None,
     )
+
+
+def solution_signal(zt, zo, spec) -> tuple[float, int]:
+    """On one response's tokens, ``zt`` the teacher's logits with the problem's solution and ``zo`` with
+    another problem's: the summed divergence between the two (the loss's own, ``zo`` in the student's
+    place, the end-token floor off) and the number of tokens whose top-1 they disagree on."""
+    import torch
+
+    from opsd.loss import per_token_loss_dense
+
+    with torch.no_grad():
+        apart = per_token_loss_dense(zo, zt, spec=replace(spec, end_ids=())).sum().item()
+    return apart, int((zt.argmax(-1) != zo.argmax(-1)).sum().item())
 
 
 def _clip_effect(zs, zt, raw, spec, raw_spec) -> tuple[float, int]:
@@ -255,16 +296,24 @@ def _clip_effect(zs, zt, raw, spec, raw_spec) -> tuple[float, int]:
     return removed, int(((g_clip * g_raw).sum(-1) < 0).sum().item())
 
 
-def _scored(trainer, builder, examples, completions, correct):
-    """``(completion, correct, student logits, teacher logits)`` a batch at a time: only one batch's
-    ``[r, V]`` blocks are held (all of them would be gigabytes)."""
+def _scored(trainer, builder, examples, completions, correct, others=None):
+    """``(completion, correct, student logits, teacher logits, logits of the teacher reading the
+    solution in ``others`` or None)`` a batch at a time: only one batch's ``[r, V]`` blocks are held
+    (all of them would be gigabytes). ``others`` gets a builder of its own: a builder caches by index."""
+    from opsd.data import PromptBuilder
+
+    other_builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
     for start in range(0, len(completions), BATCH):
         batch = completions[start : start + BATCH]
         pairs = [builder(c.prompt_index, examples[c.prompt_index]) for c in batch]
         lens = [len(c.token_ids) for c in batch]
         student = _logits(trainer, [s + c.token_ids for (s, _), c in zip(pairs, batch)], lens, teacher=False)
         teacher = _logits(trainer, [t + c.token_ids for (_, t), c in zip(pairs, batch)], lens, teacher=True)
-        yield from zip(batch, correct[start : start + BATCH], student, teacher)
+        other = [None] * len(batch)
+        if others is not None:
+            rows = [other_builder(c.prompt_index, others[c.prompt_index])[1] + c.token_ids for c in batch]
+            other = _logits(trainer, rows, lens, teacher=True)
+        yield from zip(batch, correct[start : start + BATCH], student, teacher, other)
 
 
 def _reference_end(trainer, examples) -> dict:
@@ -456,6 +505,9 @@ def format_probe(p: dict) -> str:
         f"teacher top-1 differs {t['top1_differs']:.1%}, "
         f"top-{OVERLAP_K} overlap mass {t['overlap_mass']:.3f}, "
         f"clip removes {t['clip_removed']:.1%}, steps away from the teacher {t['steps_away']:.1%}",
+        f"the teacher reading another problem's solution, from the teacher: {_p(t.get('solution_ratio'))}x "
+        f"the student's divergence; the two teachers' top-1 differ on "
+        f"{_p(t.get('solution_top1_differs'), '.1%')} of the tokens",
         f"end token where the student ended ({t['end_tokens']} responses): teacher {_p(t['end_teacher'])}, "
         f"student {_p(t['end_student'])} (teacher after correct {_p(t['end_teacher_correct'])}, after wrong "
         f"{_p(t['end_teacher_wrong'])}); after the reference solution: teacher {_p(ref['teacher'])}, "
@@ -469,8 +521,8 @@ def format_probe(p: dict) -> str:
     return "\n".join(lines)
 
 
-def _p(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
+def _p(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else f"{x:{fmt}}"
 
 
 def add_probe_arguments(p: argparse.ArgumentParser) -> None:

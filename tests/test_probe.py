@@ -66,6 +66,8 @@ def test_the_probe_measures_everything_and_saves_its_verdict(assets, tmp_path, c
     for key in ("top1_differs", "overlap_mass", "clip_removed", "steps_away"):
         assert 0 <= t[key] <= 1, key
     assert t["divergence"] >= 0 and math.isfinite(t["divergence"])
+    assert t["solution_ratio"] > 0 and math.isfinite(t["solution_ratio"])  # the two prompts differ
+    assert 0 <= t["solution_top1_differs"] <= 1
     ref = saved["reference_end"]
     assert 0 < ref["teacher"] < 1 and 0 < ref["student"] < 1
     assert "clip_mode=entry" in saved["settings"]["loss"]
@@ -76,7 +78,7 @@ def test_the_probe_measures_everything_and_saves_its_verdict(assets, tmp_path, c
     assert "teacher ceiling" in printed and f"verdict: {saved['verdict']}" in printed
 
 
-def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, other=0.05):
+def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, other=0.05, ratio=2.0):
     n = 100
     s = [i < student * n for i in range(n)]
     c = [i < ceiling * n for i in range(n)]
@@ -88,7 +90,7 @@ def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, ot
         "ceiling": {"accuracy": ceiling, "truncated": ceiling_trunc},
         "ceiling_other": {"accuracy": other, "truncated": 0.3},
         "headroom": paired_interval(c, s),
-        "tokens": {"steps_away": 0.0, "end_teacher": 0.5, "end_student": 0.6},
+        "tokens": {"steps_away": 0.0, "end_teacher": 0.5, "end_student": 0.6, "solution_ratio": ratio},
     }
 
 
@@ -104,6 +106,7 @@ def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, ot
         (_figures(ceiling_trunc=0.8), "no-go", "the teacher rarely stops: 20%"),
         (_figures(sampled_trunc=0.9), "no-go", "90% of the student's rollouts run to rollout.max_new_tokens"),
         (_figures(other=0.9), "go", "another problem's solution gives the teacher 90.0%"),
+        (_figures(ratio=0.6), "go", "(divergence 0.60x the student's)"),
     ],
 )
 def test_the_verdict_names_its_reason(figures, verdict, reason):
@@ -166,3 +169,22 @@ def test_the_clip_effect_finds_the_token_entry_turns_away(mode, away):
     removed, stepped_away = probe._clip_effect(zs, zt, raw, spec, raw_spec)
     assert stepped_away == away
     assert (removed > 0) == (mode != "none")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_the_solution_signal_is_the_two_teachers_divergence(beta):
+    """Two teachers alike give 0; a control B teacher at the student's distribution gives the teacher's
+    whole divergence from the student (the ratio 1); the loss's own divergence, in float64."""
+    import torch
+
+    from opsd.loss import DistillSpec, per_token_loss_dense
+
+    g = torch.Generator().manual_seed(0)
+    zs, zt = torch.randn(2, 5, 11, generator=g, dtype=torch.float64)
+    spec = DistillSpec(beta=beta, end_ids=(3,))
+    same, none = probe.solution_signal(zt, zt.clone(), spec)
+    assert abs(same) < 1e-12 and none == 0  # 5 tokens' float64 sums of 11 terms each: rounding only
+    apart, split = probe.solution_signal(zt, zs, spec)
+    whole = per_token_loss_dense(zs, zt, spec=DistillSpec(beta=beta)).sum().item()
+    assert apart == pytest.approx(whole, rel=1e-12) and apart > 0
+    assert split == int((zt.argmax(-1) != zs.argmax(-1)).sum())
