@@ -73,6 +73,12 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "smollm2-135m-opsd-on-math-benchsmollm2_opsdpy": (*STEP, "opsd/eval", "bench/smollm2_opsd.py"),
     "gsm8k-comparison-opsd-compare": (*COMPARE, "examples/gsm8k-compare.yaml"),
     "opsd-probe": (*STEP, "opsd/probe.py", "examples/arith.yaml", "examples/gsm8k-compare.yaml"),
+    "the-solutions-pull-on-the-students-own-tokens": (
+        *STEP,
+        "opsd/probe.py",
+        "examples/arith.yaml",
+        "opsd/demo",
+    ),
     "arithmetic-word-problems-opsd-compare": (*COMPARE, "examples/arith.yaml"),
     "why-the-student-learns-not-to-stop-the-end-token-is-not-it": (*STEP, "examples/arith.yaml"),
     "why-the-student-learns-not-to-stop-a-teacher-that-would-correct-a-wrong-answer": (
