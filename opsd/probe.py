@@ -17,13 +17,13 @@ run's own prompts, engine, grader and loss:
   own divergence (``entry``), and at the student's end token, the teacher's probability of ending
   beside the student's (:class:`TokenStats`' ``end_teacher`` and ``end_student``): where the teacher
   would rather go on, OPSD teaches the student not to stop;
-* on the same tokens, whether the solution still matters there: the divergence between the teacher
-  reading it and the teacher reading another problem's (control B's), over the teacher's divergence
-  from the student, and the share of tokens whose top-1 the two teachers disagree on. A ceiling far
-  above control B's says the solution decides the teacher's own answers; these say whether it decides
-  the teacher's pull on the tokens the student writes, where OPSD teaches. Below 1, control B's
-  teacher is nearer the teacher than the student is: most of the pull is the same whichever solution
-  the teacher reads, and OPSD may teach no more than control B.
+* on the same tokens, whether the solution still matters there: the L1 distance between the teacher
+  reading it and the teacher reading another problem's (control B's), over the teacher's distance from
+  the student, and the share of tokens whose top-1 the two teachers disagree on. A ceiling far above
+  control B's says the solution decides the teacher's own answers; these say whether it decides the
+  pull on the tokens the student writes, where OPSD teaches. Forward KL's gradient on the student's
+  logits is ``(S - P) / T``, so the ratio is how far control B's step departs from OPSD's, in OPSD's
+  own size: below 1/2, most of OPSD's step is control B's, and OPSD may teach little more than it.
 
 The verdict (:func:`verdict`): headroom = ceiling - student with a paired 95% interval, and go or
 no-go with its reasons; printed and saved as ``probe.json``.
@@ -44,8 +44,8 @@ from opsd.metrics import mean, say
 BATCH = 8  # sequences a probe forward takes at once
 MIN_TEACHER_STOPS = 0.5  # below this share of ceiling answers ending on their own, the teacher rambles
 MAX_SAMPLE_TRUNCATION = 0.5  # above this share of rollouts cut at the limit, the teacher scores noise
-# Below this, control B's teacher is nearer the teacher than the student is on the student's tokens.
-MIN_SOLUTION_RATIO = 1.0
+# Below this, control B's forward-KL step departs from OPSD's by less than half of OPSD's own size.
+MIN_SOLUTION_RATIO = 0.5
 
 
 @dataclass
@@ -73,7 +73,7 @@ class TokenStats:
     end_student: float | None  # the student's own, at the same positions
     end_teacher_correct: float | None  # the teacher's, at the ends of correct responses only
     end_teacher_wrong: float | None  # ... of wrong ones
-    solution_ratio: float | None = None  # D(teacher, control B's teacher) / D(teacher, student), summed
+    solution_ratio: float | None = None  # |P - P_controlB|_1 / |P - S|_1, summed over tokens
     solution_top1_differs: float | None = None  # share of tokens whose top-1 the two teachers disagree on
 
 
@@ -117,9 +117,9 @@ def verdict(probe: dict) -> tuple[str, list[str]]:
     ratio = tokens.get("solution_ratio") if tokens else None
     if ratio is not None and ratio < MIN_SOLUTION_RATIO:
         notes.append(
-            f"on the student's own tokens the teacher reading another problem's solution is nearer the "
-            f"teacher than the student is (divergence {ratio:.2f}x the student's): most of the teacher's "
-            "pull is the same whichever solution it reads, so OPSD may teach no more than control B"
+            f"on the student's own tokens, control B's step (the teacher reading another problem's "
+            f"solution) departs from OPSD's by {ratio:.2f} of OPSD's own size: most of OPSD's step does not "
+            "depend on this problem's solution, so OPSD may teach little more than control B"
         )
     pull = tokens and tokens["end_teacher"] is not None and tokens["end_student"] is not None
     if pull and tokens["end_teacher"] < 0.5 * tokens["end_student"]:
@@ -213,7 +213,8 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
     builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
     ends = set(_stop_ids(trainer.tokenizer, trainer.model, []))
     others = apply_solution_source(examples, "other")[0] if len(examples) > 1 else None
-    sums = dict(tokens=0, divergence=0.0, differs=0.0, overlap=0.0, removed=0.0, away=0, apart=0.0, split=0)
+    sums = dict(tokens=0, divergence=0.0, differs=0.0, overlap=0.0, removed=0.0, away=0)
+    signal = dict(apart=0.0, pull=0.0, split=0)
     end_t: list[float] = []
     end_s: list[float] = []
     end_by: dict[bool, list[float]] = {True: [], False: []}
@@ -223,9 +224,8 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
         with torch.no_grad():
             raw = per_token_loss_dense(zs, zt, spec=raw_spec)
         if zo is not None:
-            apart, split = solution_signal(zt, zo, raw_spec)
-            sums["apart"] += apart
-            sums["split"] += split
+            for key, v in zip(signal, solution_signal(zs, zt, zo, spec.temperature)):
+                signal[key] += v
         sums["tokens"] += r
         sums["divergence"] += raw.sum().item()
         sums["differs"] += (zs.argmax(-1) != zt.argmax(-1)).sum().item()
@@ -240,6 +240,7 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
             end_t.append(pt)
             end_s.append(a[-1].softmax(-1)[end].item())
             end_by[ok].append(pt)
+        del zs, zt, zo, raw, a, b  # views of the batch's logits: free them before the next batch's
     n = max(sums["tokens"], 1)
     return TokenStats(
         tokens=sums["tokens"],
@@ -253,22 +254,23 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
         end_student=mean(end_s),
         end_teacher_correct=mean(end_by[True]),
         end_teacher_wrong=mean(end_by[False]),
-        solution_ratio=sums["apart"] / max(sums["divergence"], 1e-30) if others else None,
-        solution_top1_differs=sums["split"] / n if others else None,
+        solution_ratio=signal["apart"] / max(signal["pull"], 1e-30) if others else None,
+        solution_top1_differs=signal["split"] / n if others else None,
     )
 
 
-def solution_signal(zt, zo, spec) -> tuple[float, int]:
-    """On one response's tokens, ``zt`` the teacher's logits with the problem's solution and ``zo`` with
-    another problem's: the summed divergence between the two (the loss's own, ``zo`` in the student's
-    place, the end-token floor off) and the number of tokens whose top-1 they disagree on."""
+def solution_signal(zs, zt, zo, temperature: float) -> tuple[float, float, int]:
+    """On one response's tokens, the student's logits ``zs``, the teacher's with the problem's solution
+    ``zt`` and with another problem's ``zo``: the summed L1 distance between the two teachers'
+    distributions at ``temperature``, the teacher's from the student's, and the number of tokens whose
+    top-1 the two teachers disagree on (in the logits' dtype, float32 in the probe)."""
     import torch
 
-    from opsd.loss import per_token_loss_dense
-
     with torch.no_grad():
-        apart = per_token_loss_dense(zo, zt, spec=replace(spec, end_ids=())).sum().item()
-    return apart, int((zt.argmax(-1) != zo.argmax(-1)).sum().item())
+        s, p, q = (z.div(temperature).softmax(-1) for z in (zs, zt, zo))
+        apart = (p - q).abs().sum().item()
+        pull = (p - s).abs().sum().item()
+    return apart, pull, int((zt.argmax(-1) != zo.argmax(-1)).sum().item())
 
 
 def _clip_effect(zs, zt, raw, spec, raw_spec) -> tuple[float, int]:
@@ -314,6 +316,7 @@ def _scored(trainer, builder, examples, completions, correct, others=None):
             rows = [other_builder(c.prompt_index, others[c.prompt_index])[1] + c.token_ids for c in batch]
             other = _logits(trainer, rows, lens, teacher=True)
         yield from zip(batch, correct[start : start + BATCH], student, teacher, other)
+        del student, teacher, other  # before the next batch's forwards
 
 
 def _reference_end(trainer, examples) -> dict:
@@ -505,8 +508,8 @@ def format_probe(p: dict) -> str:
         f"teacher top-1 differs {t['top1_differs']:.1%}, "
         f"top-{OVERLAP_K} overlap mass {t['overlap_mass']:.3f}, "
         f"clip removes {t['clip_removed']:.1%}, steps away from the teacher {t['steps_away']:.1%}",
-        f"the teacher reading another problem's solution, from the teacher: {_p(t.get('solution_ratio'))}x "
-        f"the student's divergence; the two teachers' top-1 differ on "
+        f"control B's teacher (another problem's solution) from the teacher, over the student's distance: "
+        f"{_p(t.get('solution_ratio'))} (L1); the two teachers' top-1 differ on "
         f"{_p(t.get('solution_top1_differs'), '.1%')} of the tokens",
         f"end token where the student ended ({t['end_tokens']} responses): teacher {_p(t['end_teacher'])}, "
         f"student {_p(t['end_student'])} (teacher after correct {_p(t['end_teacher_correct'])}, after wrong "
