@@ -202,8 +202,9 @@ class ReuseConfig(_Section):
     teacher still scores every step's rollouts. Without replay only engine wakes and weight syncs are
     saved, not tokens; with replay each batch trains K steps, so generation, about half of a step on a
     CPU, drops K-fold, at the price of training on an older student's responses. objective grpo and
-    rlsd weigh those by grpo.tis_cap's importance ratio (required). Metrics: rollout/generated_tokens
-    (0 on a reused step) and rollout/reused."""
+    rlsd weigh those by grpo.tis_cap's importance ratio (required), capped from above only: no PPO
+    clip bounds how far replay's K steps move. Metrics: rollout/generated_tokens (0 on a reused step)
+    and rollout/reused."""
 
     refresh_every: Annotated[int | Literal["inf"] | None, BeforeValidator(_refresh_every)] = Field(
         None,

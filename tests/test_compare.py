@@ -383,6 +383,10 @@ def test_bad_comparisons_are_one_line_errors(assets, tmp_path):
         compare.run_compare(
             None, _overrides(assets), tmp_path / "c", methods=["grpo"], seeds=[0], grpo_n=3, progress=False
         )
+    reuse = [*_overrides(assets), "rollout.reuse.refresh_every=4", "grpo.tis_cap=0"]
+    with pytest.raises(UserError, match="--methods grpo: .*needs grpo.tis_cap") as e:  # before OPSD trains
+        compare.run_compare(None, reuse, tmp_path / "e", methods=["opsd", "grpo"], seeds=[0], progress=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "e" / "seed0").exists()
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x").write_text("mine")
     with pytest.raises(UserError, match="not an `opsd compare` directory"):

@@ -129,6 +129,8 @@ def test_a_resume_at_a_refresh_its_run_had_stored_reports_that_refresh(assets, t
     for t in (4, 5):
         name = f"step_{t:06d}-rank0.jsonl"
         (tmp_path / "b" / "rollouts" / name).write_bytes((tmp_path / "a" / "rollouts" / name).read_bytes())
+    stray = (tmp_path / "a" / "rollouts" / "step_000005-rank0.jsonl").read_bytes()
+    (tmp_path / "b" / "rollouts" / "step_000007-rank0.jsonl").write_bytes(stray)  # past the refresh's span
     resumed = Trainer(make_cfg(assets, tmp_path / "b", **over), resume=True)
     events, _ = _watched(resumed)
     rest = resumed.train()

@@ -76,6 +76,9 @@ def run_compare(
     runs: list[MethodRun] = []
     ceiling_path = out / "ceiling.json"
     context = ceiling_context(cfg) if ceiling else []
+    extras = {m: _method_extra(m, named, grpo, coef, budget, mixed, sft_lr) for m in methods}
+    for method in methods:  # every method's config is checked before any trains
+        _check_method_config(config, [*per_seed(seeds[0]), *context], method, extras[method])
     for seed in seeds:
         base = None
         overrides = [*per_seed(seed), *context]
@@ -83,15 +86,11 @@ def run_compare(
             run_dir = out / f"seed{seed}" / method
             done = run_dir / "compare_method.json"
             want = ceiling_path if ceiling and not ceiling_path.is_file() else None
-            kind, keys = (
-                (named[method].method, list(named[method].overrides)) if method in named else (method, [])
-            )
             if done.is_file():  # finished earlier: read back, not rerun
                 run = _read_run(done)
             else:
-                extra = [*method_overrides(kind, grpo, coef, budget, mixed, sft_lr), *keys]
                 run = run_trainer_method(
-                    method, seed, config, overrides, extra, run_dir, budget, base, progress, want
+                    method, seed, config, overrides, extras[method], run_dir, budget, base, progress, want
                 )
             done.write_text(json.dumps(asdict(run), indent=2))
             base = base or run.points[0]  # every method of a seed starts from one base evaluation
@@ -111,6 +110,33 @@ def run_compare(
         "ceiling": json.loads(ceiling_path.read_text()) if ceiling_path.is_file() else None,
     }
     return _write_report(out, result)
+
+
+def _method_extra(
+    method: str,
+    named: dict[str, Variant],
+    grpo: GRPOSettings,
+    coef: float,
+    budget: Budget,
+    mixed: GRPOSettings,
+    sft_lr: float,
+) -> list[str]:
+    """The keys ``method`` changes in the user's config: its kind's, then a variant's own."""
+    variant = named.get(method)
+    kind = variant.method if variant else method
+    return [
+        *method_overrides(kind, grpo, coef, budget, mixed, sft_lr),
+        *(variant.overrides if variant else ()),
+    ]
+
+
+def _check_method_config(config: Path | None, overrides: list[str], method: str, extra: list[str]) -> None:
+    """One method's config as it will train, refused in one line naming the method before any trains
+    (not hours in, when its turn comes)."""
+    try:
+        _arm_config(config, overrides, extra)
+    except UserError as err:
+        raise UserError(f"--methods {method}: {err}") from None
 
 
 def _check_methods(cfg, methods: list[str], named: dict[str, Variant]) -> None:

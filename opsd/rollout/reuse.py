@@ -149,8 +149,8 @@ class RolloutReuse:
         if stored is None:
             return ex_idx, prompts, queue.call(lambda: self.refresh(queue, step, key)), 0.0
         completions, generated_at = stored
-        if generated_at == step:  # a resume at a refresh its interrupted run stored: reported as that refresh
-            self.reused = False
+        if not distributed.any_rank(generated_at != step):  # a resume at a refresh its run had stored
+            self.reused = False  # reported as that refresh, on every rank
             self.generated_tokens = self.tokens_generated_at(step)
         return ex_idx, prompts, completions, float(step - generated_at)
 
@@ -205,13 +205,11 @@ class RolloutReuse:
         problems a copy of the data cursor draws for it; return ``step``'s. The engine wakes once and
         generates once per step: it takes one seed per call, and each step keeps its own."""
         ahead = copy.deepcopy(queue.cursor)  # the live cursor draws each step's problems when it runs
-        k = self.refresh_every
-        end = self.max_steps if k == "inf" else min(step + k, self.max_steps)
         self.dir.mkdir(parents=True, exist_ok=True)
         first = None
         queue.engine.wake()
         try:
-            for t in range(step, max(end, step + 1)):
+            for t in range(step, self.span_end(step)):
                 if t > step:
                     key = self.key(queue, t, *queue.draw(ahead))
                 completions = queue.engine.generate(key["prompts"], queue.cfg.n, queue.sampling(t))
@@ -222,6 +220,12 @@ class RolloutReuse:
             queue.engine.sleep()
         queue.plan.after_generation()
         return first
+
+    def span_end(self, step: int) -> int:
+        """The step after the last one whose rollouts a refresh at ``step`` generates."""
+        k = self.refresh_every
+        end = self.max_steps if k == "inf" else min(step + k, self.max_steps)
+        return max(end, step + 1)
 
     def key(self, queue: QueueView, step: int, ex_idx: list[int], prompts: list) -> dict[str, Any]:
         """What ``step`` generates from, as JSON reads it back: a stored file is used only where its
@@ -267,10 +271,13 @@ class RolloutReuse:
         return [Completion.from_row(r) for r in rows], generated_at
 
     def tokens_generated_at(self, step: int) -> int:
-        """The response tokens this rank's stored files hold from the refresh at ``step``: what that
-        refresh generated, reported again by a resume that reads them instead."""
+        """The response tokens this rank's stored files of the steps a refresh at ``step`` covers hold
+        from it: what that refresh generated, reported again by a resume that reads them instead."""
         total = 0
-        for path in sorted(self.dir.glob(f"step_*-rank{self.rank}.jsonl")):
+        for t in range(step, self.span_end(step)):
+            path = self.path(t)
+            if not path.is_file():
+                continue
             lines = path.read_text(encoding="utf-8").splitlines()
             if json.loads(lines[0])["generated_at"] == step:
                 total += sum(len(Completion.from_row(json.loads(line)).token_ids) for line in lines[1:])
