@@ -222,7 +222,8 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
     for c, ok, zs, zt, zo in scored:
         r = len(c.token_ids)
         with torch.no_grad():
-            raw = per_token_loss_dense(zs, zt, spec=raw_spec)
+            targets = torch.tensor(c.token_ids, device=zs.device)  # loss.mode=sampled reads them
+            raw = per_token_loss_dense(zs, zt, targets, spec=raw_spec)
         if zo is not None:
             for key, v in zip(signal, solution_signal(zs, zt, zo, spec.temperature)):
                 signal[key] += v
@@ -231,7 +232,7 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
         sums["differs"] += (zs.argmax(-1) != zt.argmax(-1)).sum().item()
         a, b = zs / spec.temperature, zt / spec.temperature
         sums["overlap"] += topk_overlap_mass(a, b.log_softmax(-1)).sum().item()
-        removed, away = _clip_effect(zs, zt, raw, spec, raw_spec)
+        removed, away = _clip_effect(zs, zt, raw, spec, raw_spec, targets)
         sums["removed"] += removed
         sums["away"] += away
         if c.finish_reason == "stop" and c.token_ids[-1] in ends:
@@ -240,7 +241,7 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
             end_t.append(pt)
             end_s.append(a[-1].softmax(-1)[end].item())
             end_by[ok].append(pt)
-        del zs, zt, zo, raw, a, b  # views of the batch's logits: free them before the next batch's
+        del zs, zt, zo, raw, a, b, targets  # views of the batch's logits: freed before the next batch's
     n = max(sums["tokens"], 1)
     return TokenStats(
         tokens=sums["tokens"],
@@ -273,7 +274,7 @@ def solution_signal(zs, zt, zo, temperature: float) -> tuple[float, float, int]:
     return apart, pull, int((zt.argmax(-1) != zo.argmax(-1)).sum().item())
 
 
-def _clip_effect(zs, zt, raw, spec, raw_spec) -> tuple[float, int]:
+def _clip_effect(zs, zt, raw, spec, raw_spec, targets=None) -> tuple[float, int]:
     """What the configured clip takes away from one response's tokens (of the summed divergence for
     ``entry`` and ``token``; of each token's gradient weight, ``D (1 - min(1, clip / D))``, for ``scale``)
     and how many of its tokens the clipped gradient steps away from their teacher (the first-order
@@ -291,8 +292,8 @@ def _clip_effect(zs, zt, raw, spec, raw_spec) -> tuple[float, int]:
     if spec.clip_mode == "token":
         return (raw - raw.clamp(max=spec.clip)).sum().item(), 0
     z = zs.clone().requires_grad_()
-    (g_raw,) = torch.autograd.grad(per_token_loss_dense(z, zt, spec=raw_spec).sum(), z)
-    clipped = per_token_loss_dense(z, zt, spec=spec)
+    (g_raw,) = torch.autograd.grad(per_token_loss_dense(z, zt, targets, spec=raw_spec).sum(), z)
+    clipped = per_token_loss_dense(z, zt, targets, spec=spec)
     (g_clip,) = torch.autograd.grad(clipped.sum(), z)
     removed = (raw - clipped.detach()).clamp_min(0).sum().item()
     return removed, int(((g_clip * g_raw).sum(-1) < 0).sum().item())

@@ -187,3 +187,11 @@ def test_the_solution_signal_measures_control_bs_step_against_opsds(temperature)
     p, s_ = (zt / temperature).softmax(-1), (zs / temperature).softmax(-1)
     assert pull == pytest.approx((p - s_).abs().sum().item(), rel=1e-12)
     assert split == int((zt.argmax(-1) != zs.argmax(-1)).sum())
+
+
+@pytest.mark.parametrize("mode", ["sampled", "topk"])
+def test_the_probe_runs_under_every_loss_mode(assets, tmp_path, mode):
+    more = [f"loss.mode={mode}", "loss.clip_mode=none", *(["loss.topk=4"] if mode == "topk" else [])]
+    res = probe.run_probe(None, _overrides(assets, *more), tmp_path / "p", limit=3, progress=False)
+    t = res["tokens"]
+    assert t["tokens"] >= 3 and math.isfinite(t["divergence"]) and math.isfinite(t["solution_ratio"])
