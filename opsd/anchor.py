@@ -14,8 +14,10 @@ row's solution in place of a rollout, and :class:`opsd.objectives.SFT` takes the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -30,9 +32,11 @@ from opsd.sft import sft_pairs_from_examples
 
 
 class Solutions:
-    """(student prompt, solution + end token) per training row, tokenized once; a response that does
-    not fit ``max_len`` is cut (:func:`opsd.sft.sft_pairs_from_examples`). ``target``: what a row's
-    solution is trained as (default: itself)."""
+    """(student prompt, target + end token) per training row, tokenized once; a response that does
+    not fit ``max_len`` is cut (:func:`opsd.sft.sft_pairs_from_examples`). The target is the row's
+    ``data.target_key`` field where it has one, else its solution as ``target`` writes it (default:
+    itself); ``token_targets``: each row's target as token ids instead (context distillation's
+    generated answers, end token included where the answer stopped)."""
 
     def __init__(
         self,
@@ -41,6 +45,7 @@ class Solutions:
         data_cfg,
         max_len: int,
         target: Callable[[str], str] | None = None,
+        token_targets: dict[int, list[int]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.examples = examples
@@ -48,12 +53,15 @@ class Solutions:
         self.max_len = max_len
         self.target = target
         self._pairs: dict[int, tuple[list[int], list[int]]] = {}
+        self.token_targets = token_targets
 
     def pair(self, index: int) -> tuple[list[int], list[int]]:
-        """(student prompt, solution + end token) of example ``index``, tokenized once."""
+        """(student prompt, target + end token) of example ``index``, tokenized once."""
         if index not in self._pairs:
             d, ex = self.data_cfg, self.examples[index]
-            if self.target is not None:
+            if ex.target is not None:
+                ex = replace(ex, solution=ex.target)
+            elif self.target is not None:
                 ex = replace(ex, solution=self.target(ex.solution))
             (self._pairs[index],) = sft_pairs_from_examples(
                 self.tokenizer,
@@ -62,6 +70,10 @@ class Solutions:
                 enable_thinking=d.student_thinking,
                 max_len=self.max_len,
             )
+            if self.token_targets is not None:
+                prompt, _ = self._pairs[index]
+                answer = self.token_targets[index][: max(1, self.max_len - len(prompt))]
+                self._pairs[index] = (prompt, answer)
         return self._pairs[index]
 
 
@@ -126,3 +138,28 @@ class SolutionQueue(RolloutQueue):
                 for j, (_, target) in enumerate(pairs)
             ]
         return ex_idx, [(prompt, prompt) for prompt, _ in pairs], completions, 0.0
+
+
+def teacher_answers(
+    engine, prompts: Callable, examples: list, params, path: Path, write: bool
+) -> dict[int, list[int]]:
+    """Context distillation's targets (``data.sft_targets: teacher``): each training row's answer by the
+    initial model reading its teacher prompt (``prompts(i, example)[1]``, the privileged text in it),
+    under ``params`` (greedy), as token ids with the end token where the answer stopped. Generated once
+    and kept at ``path`` (written where ``write``: rank 0), so a resumed run trains on the same answers."""
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if len(rows) == len(examples):
+            return {int(r["row"]): list(r["token_ids"]) for r in rows}
+    teacher_prompts = [prompts(i, ex)[1] for i, ex in enumerate(examples)]
+    engine.wake()
+    completions = engine.generate(teacher_prompts, 1, params)
+    engine.sleep()
+    answers = {c.prompt_index: list(c.token_ids) for c in completions}
+    if write:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(
+            "".join(json.dumps({"row": i, "token_ids": answers[i]}) + "\n" for i in sorted(answers))
+        )
+        tmp.replace(path)
+    return answers

@@ -115,6 +115,20 @@ class DataConfig(_Section):
         "answer",
         description="The row field holding the final answer (graded by objective=grpo); null: none.",
     )
+    target_key: str | None = Field(
+        None,
+        description="The row field holding the SFT target (objective=sft, loss.sft_coef, `opsd sft` and "
+        "`opsd compare`'s SFT arm), kept apart from the privileged text the teacher reads (a document "
+        "is no answer); null: objective=sft trains on the solution (a GSM8K `#### N` ending written as "
+        "\\boxed{N}) and the SFT anchor on the raw solution.",
+    )
+    sft_targets: Literal["data", "teacher"] = Field(
+        "data",
+        description="objective=sft: what the student imitates. data: the rows' data.target_key (else "
+        "their solution); teacher: off-policy context distillation (Snell et al. 2022), the initial "
+        "model's own greedy answers with the privileged text in its prompt (the teacher template), "
+        "generated once at the start of a run (RUN_DIR/sft_targets.jsonl) and trained without it.",
+    )
     split: str = Field("train", description="The split read from a saved DatasetDict or a hub dataset.")
     rows: tuple[int, int] | None = Field(
         None,
@@ -488,7 +502,9 @@ class TeacherConfig(_Section):
     privileged: bool = Field(True, description="Put the reference solution in the teacher's prompt.")
     solution_source: Literal["own", "other", "wrong_answer"] = Field(
         "own",
-        description="own: each problem's solution; other: the next row's (control B); wrong_answer: its own "
+        description="own: each problem's solution; other: the solution of the nearest following row whose "
+        "solution differs, wrapping around (control B; refused when every row has the same one); "
+        "wrong_answer: its own "
         "with the final answer (`#### N`, `\\boxed{N}`, the last worked line's result) replaced by N + 1, "
         "the gold answer unchanged; rows without a detectable final answer are refused and counted "
         "(data_report.json: wrong_answer_refused).",
@@ -527,7 +543,7 @@ class GRPOConfig(_Section):
     grader: str = Field(
         "math",
         description="The reward's grader: a name from opsd.grading.GRADERS (math, lenient, last_number, "
-        "answer_is) or `package.module:function`.",
+        "answer_is, contains, exact) or `package.module:function`.",
     )
     scale_rewards: bool = Field(
         False, description="Divide advantages by the group's standard deviation (off, as in Dr. GRPO)."
@@ -657,6 +673,28 @@ class LoggingConfig(_Section):
     wandb_project: str = Field("opsd", description="The Weights & Biases project.")
 
 
+class EvalSetConfig(_Section):
+    """One more held-out file, evaluated beside eval.path at every evaluation with the same instruction,
+    answer key, sampling and engine: reported, never used to choose (eval.path does that)."""
+
+    path: str = Field(description="The file (same formats as data.path), every row with eval.answer_key.")
+    grader: str | None = Field(None, description="Its grader (as eval.grader); null: eval.grader.")
+    limit: int | None = Field(None, ge=1, description="The first this many rows only; null: all.")
+    drift: bool = Field(
+        False,
+        description="Also the drift from the initial model: the mean per-token KL(initial || model) on the "
+        "initial model's own greedy answers to these prompts, computed once at the start of a run and "
+        "cached (RUN_DIR/drift_reference.pt), over the initial model's eval.drift_topk most likely "
+        "tokens and the rest as one bucket (a lower bound of the full KL; exact at the vocabulary size).",
+    )
+    seen_answers: bool = Field(
+        False,
+        description="Also its accuracy split in two: rows whose answer is also a training row's answer "
+        "(data.answer_key; interference: a trained fact put in a general question) and the rest "
+        "(forgetting).",
+    )
+
+
 class EvalConfig(_Section):
     """Held-out evaluation during training: accuracy without the solution, and optionally the divergence."""
 
@@ -681,13 +719,27 @@ class EvalConfig(_Section):
     answer_key: str = Field("answer", description="The held-out rows' field holding the final answer.")
     grader: str = Field(
         "math",
-        description="A name from opsd.grading.GRADERS (math, lenient, last_number, answer_is) or "
-        "`package.module:function`.",
+        description="A name from opsd.grading.GRADERS (math, lenient, last_number, answer_is, contains, "
+        "exact) or `package.module:function`.",
     )
     lenient_grader: str | None = Field(
         None,
         description="`opsd compare`: a second grader reported beside eval.grader, e.g. last_number (the "
         "\\boxed{} answer, else the response's last number); null: none.",
+    )
+    sets: dict[str, EvalSetConfig] = Field(
+        {},
+        description="Named held-out files evaluated beside eval.path at every evaluation (metrics "
+        "eval/NAME/...), e.g. {test: {path: test.jsonl}, retention: {path: retention.jsonl, drift: true}}; "
+        "eval.path stays the one that decides (guards, the best checkpoint, `opsd compare`'s chosen step).",
+    )
+    drift_topk: int = Field(
+        256, ge=1, description="The initial model's most likely tokens kept per position for a set's drift."
+    )
+    artifacts: list[str] = Field(
+        [],
+        description="Phrases counted in the held-out responses (the share of responses holding any, "
+        "ignoring case), e.g. ['according to', 'biography']: the privileged text's traces in answers.",
     )
     divergence: bool = Field(
         False,
@@ -851,6 +903,8 @@ class Config(_Section):
             )
         if self.objective == "sft":
             self._check_sft()
+        elif self.data.sft_targets == "teacher":
+            raise ValueError("data.sft_targets=teacher chooses objective=sft's targets: set objective=sft")
         if self.reads_teacher() and t.privileged and self.data.solution_key is None:
             raise ValueError(
                 "teacher.privileged=true needs data.solution_key (the field holding the reference solution)"
@@ -937,10 +991,13 @@ class Config(_Section):
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.engine=vllm")
 
     def _check_sft(self) -> None:
-        """objective=sft trains on each row's own solution, drawn rather than generated."""
-        r = self.rollout
-        if self.data.solution_key is None:
-            raise ValueError("objective=sft trains on the reference solutions: it needs data.solution_key")
+        """objective=sft trains on each row's own target, drawn rather than generated."""
+        r, d = self.rollout, self.data
+        if d.solution_key is None and (d.target_key is None or d.sft_targets == "teacher"):
+            raise ValueError(
+                "objective=sft trains on the reference solutions (or, with data.sft_targets=teacher, on the "
+                "teacher's answers reading them): it needs data.solution_key, or data.target_key"
+            )
         if self.teacher.solution_source != "own":
             raise ValueError(
                 "objective=sft trains on each row's own solution: teacher.solution_source must be own"
@@ -964,6 +1021,15 @@ class Config(_Section):
             raise ValueError("eval.divergence=true needs data.solution_key (held-out solutions)")
         if self.eval.every and not self.eval.path:
             raise ValueError("eval.every > 0 needs eval.path (a held-out file with answers)")
+        if self.eval.sets and not self.eval.path:
+            raise ValueError("eval.sets needs eval.path: the primary held-out set, which decides")
+        for name in self.eval.sets:
+            if not name.isidentifier():
+                raise ValueError(
+                    f"eval.sets.{name}: a set's name is letters, digits and _ (it names metrics)"
+                )
+        if any(s.seen_answers for s in self.eval.sets.values()) and not self.data.answer_key:
+            raise ValueError("eval.sets.*.seen_answers needs data.answer_key (the training rows' answers)")
         if self.guard.max_accuracy_drop is not None and not self.eval.every:
             raise ValueError("guard.max_accuracy_drop needs eval.every > 0 (held-out accuracy to compare)")
 

@@ -1,4 +1,5 @@
-"""Answer grading for math benchmarks: last \\boxed{} extraction + math-verify equivalence.
+"""Answer grading for math benchmarks: last \\boxed{} extraction + math-verify equivalence; and for
+short factual answers (``contains``, ``exact``).
 
 Grading never raises: a parse error, a timeout or an answer too large to check safely is an
 incorrect verdict with the reason in `Grade.error`, so one pathological sample cannot kill an eval
@@ -241,12 +242,43 @@ def grade_answer_is(response: str, gold: str) -> Grade:
     return _same_number(_ANSWER_IS.findall(response), gold)
 
 
+def grade_contains(response: str, gold: str) -> Grade:
+    """The gold answer anywhere in the response as a whole word or phrase, ignoring case ("Havana" in "He
+    was born in Havana.", not "pilot" in "copilots"; the words of "software engineer" may be parted by
+    any whitespace): short factual answers stated in a sentence. Never raises."""
+    words = str(gold or "").split()
+    if not words:
+        return Grade(False, None, "empty gold answer")
+    phrase = r"\s+".join(re.escape(w) for w in words)
+    found = re.search(rf"(?<!\w){phrase}(?!\w)", str(response), re.IGNORECASE)
+    return Grade(correct=found is not None, extracted=found.group(0) if found else None, error=None)
+
+
+def grade_exact(response: str, gold: str) -> Grade:
+    """The whole response, stripped of surrounding whitespace and one final period, equal to the gold
+    answer ignoring case (the gold stripped alike, so "Washington, D.C." matches itself): a model told to
+    answer with the answer alone. Never raises."""
+    want = _bare(str(gold or ""))
+    if not want:
+        return Grade(False, None, "empty gold answer")
+    said = _bare(str(response))
+    return Grade(correct=said.casefold() == want.casefold(), extracted=said[:200], error=None)
+
+
+def _bare(text: str) -> str:
+    """``text`` without surrounding whitespace and one final period."""
+    text = text.strip()
+    return text[:-1].rstrip() if text.endswith(".") else text
+
+
 # The graders by name: `opsd eval`'s `grader` key (and the GRPO reward's `grpo.grader`) use these names.
 GRADERS: dict[str, Grader] = {
     "math": grade,
     "lenient": grade_lenient,
     "last_number": grade_last_number,
     "answer_is": grade_answer_is,
+    "contains": grade_contains,
+    "exact": grade_exact,
 }
 
 

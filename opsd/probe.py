@@ -8,7 +8,8 @@ run's own prompts, engine, grader and loss:
 * the student's greedy accuracy (``eval.*`` settings), and its accuracy and truncation when sampled
   as rollouts are (``rollout.temperature``, ``rollout.max_new_tokens``): are its samples worth scoring?
 * the teacher's ceiling: the model answering with the solution in the teacher prompt; the same
-  with another problem's solution and with the final answer made wrong (the controls' teachers);
+  with another problem's solution (the nearest following row whose solution differs: rows may share
+  one) and with the final answer made wrong (the controls' teachers);
 * whether the teacher stops: the share of its ceiling answers that end before the limit, and its
   probability of the end token where the reference solution ends (the student's beside it);
 * on the student's sampled responses, per token: the divergence to the teacher, the share of tokens
@@ -162,7 +163,8 @@ def _evaluate(trainer, examples, prompts, *, temperature: float, max_new_tokens:
 
 def _ceiling(trainer, examples, source: str) -> Answers | None:
     """Greedy answers with the teacher prompt holding the solution ``source`` gives (own, other,
-    wrong_answer); None where the wrong-answer control refuses every row."""
+    wrong_answer); None where the control refuses every row (no final answer to make wrong, or every
+    row with the same solution)."""
     from opsd.data import PromptBuilder
     from opsd.data.controls import apply_solution_source
 
@@ -200,8 +202,8 @@ def _logits(trainer, seqs: list[list[int]], response_lens: list[int], *, teacher
 
 def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> TokenStats:
     """:class:`TokenStats` over every sampled response: a student forward and two teacher forwards
-    each (with the problem's solution, and with another problem's where there are two problems or
-    more), the loss's dense oracle on one response's ``[R, V]`` block at a time."""
+    each (with the problem's solution, and with another problem's where two solutions differ), the
+    loss's dense oracle on one response's ``[R, V]`` block at a time."""
     import torch
 
     from opsd.data import PromptBuilder
@@ -212,7 +214,7 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
     raw_spec = replace(spec, clip_mode="none", clip=0.0)
     builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
     ends = set(_stop_ids(trainer.tokenizer, trainer.model, []))
-    others = apply_solution_source(examples, "other")[0] if len(examples) > 1 else None
+    others = apply_solution_source(examples, "other")[0] or None
     sums = dict(tokens=0, divergence=0.0, differs=0.0, overlap=0.0, removed=0.0, away=0)
     signal = dict(apart=0.0, pull=0.0, split=0)
     end_t: list[float] = []
@@ -357,6 +359,7 @@ def _probe_config(config: Path | None, overrides: list[str], out: Path, limit: i
         f"eval.limit={limit}",
         "eval.divergence=true",  # the held-out rows are loaded with their solutions
         "eval.every=0",
+        "eval.sets={}",  # the probe reads eval.path only: no drift reference to compute
         "checkpoint.enabled=false",
         f"logging.progress={str(progress).lower()}",
         "teacher.solution_source=own",
@@ -390,6 +393,7 @@ def run_probe(
 ) -> dict:
     """Every measurement of the module docstring on the first ``limit`` held-out problems; writes
     ``out/probe.json`` (the trainer's scratch run directory is ``out/run``)."""
+    from opsd.data.controls import shared_text_note
     from opsd.trainer import Trainer
 
     t0 = time.time()
@@ -403,6 +407,7 @@ def run_probe(
         examples = trainer.eval_examples
         e, r = cfg.eval, cfg.rollout
         say(progress, f"probe: {len(examples)} problems of {e.path}")
+        say(True, shared_text_note(examples, e.path))
         student = _evaluate(
             trainer, examples, None, temperature=0.0, max_new_tokens=e.max_new_tokens, name="student"
         )

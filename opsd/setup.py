@@ -23,20 +23,21 @@ import torch
 from torch import Tensor, nn
 
 from opsd import checkpoint, cpu, distributed, models, parallel, precision
-from opsd.anchor import SFTAnchor, SolutionQueue, Solutions
+from opsd.anchor import SFTAnchor, SolutionQueue, Solutions, teacher_answers
 from opsd.config import Config, resolve_engine
 from opsd.data import DataCursor, Example, PromptBuilder, load_examples
-from opsd.data.controls import apply_solution_source, boxed_target
+from opsd.data.controls import apply_solution_source, boxed_target, require_other_solution
 from opsd.data.sources import take_rows
 from opsd.devices import check_compiler, resolve_device, use_device
 from opsd.errors import UserError
+from opsd.eval.sets import HeldoutSet, load_sets
 from opsd.grading import as_grade, resolve_grader
 from opsd.loss import DistillSpec, LossStats
 from opsd.metrics import MetricsWriter
 from opsd.microbatch import forward_backward
 from opsd.objectives import Objective, Scores, floor_end_tokens, make_distillation, make_objective
 from opsd.optim import make_optimizer
-from opsd.rollout.base import RolloutEngine, _stop_ids
+from opsd.rollout.base import RolloutEngine, SamplingParams, _stop_ids
 from opsd.rollout.make import make_engine
 from opsd.rollout.queue import RolloutQueue
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
@@ -67,10 +68,15 @@ def load_data(cfg: Config, *, privileged: bool, needs_answers: bool, rank: int, 
         skip_bad_rows=d.skip_bad_rows,
         drop_empty_solution=d.drop_empty_solution,
         require_answer=needs_answers,
+        target_key=d.target_key,
     )
     rows = take_rows(loaded.examples, d.rows, "data.rows", d.path)
-    # The controls (teacher.solution_source other, wrong_answer): what the teacher reads instead.
-    examples, refused = apply_solution_source(rows, cfg.teacher.solution_source)
+    # The controls (teacher.solution_source other, wrong_answer): what the teacher reads instead; nothing
+    # to replace where no solutions are loaded.
+    source = cfg.teacher.solution_source if privileged else "own"
+    if source == "other":
+        require_other_solution(rows, d.path)
+    examples, refused = apply_solution_source(rows, source)
     if not examples:
         raise UserError(
             f"{d.path}: teacher.solution_source=wrong_answer refused all {refused} rows: no solution has a "
@@ -377,6 +383,7 @@ class RunParts:
     forward_backward: MicroBatchLoop
     divergence_loss: ObjectiveLoss
     eval_grader: Callable[[str, str | None], Any]
+    eval_sets: list[HeldoutSet]
     skip_end: bool
     check_lp: bool
     stop: GracefulStop
@@ -459,6 +466,7 @@ def build(
         forward_backward=loop,
         divergence_loss=ObjectiveLoss(divergence, model, loss_mm),
         eval_grader=partial(_graded, grader),
+        eval_sets=load_sets(cfg, [ex.answer for ex in loaded.data.examples]),
         skip_end=cfg.loss.end_token == "skip" and cfg.objective == "opsd",
         check_lp=cfg.rollout.checks_logprobs(kind),
         stop=GracefulStop(),
@@ -475,7 +483,17 @@ def make_queue(
     if cfg.objective != "sft":
         return RolloutQueue(*parts, plan=plan)
     limit = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    solutions = Solutions(loaded.tokenizer, d.examples, cfg.data, limit, target=boxed_target)
+    answers = None
+    if cfg.data.sft_targets == "teacher":  # context distillation: the initial model's answers, solution read
+        greedy = SamplingParams.from_rollout(cfg.rollout, cfg.seed)
+        greedy.temperature = 0.0
+        path = Path(cfg.logging.run_dir) / "sft_targets.jsonl"
+        # A builder of their own: eval_prompts caches the held-out rows' prompts by the same indices.
+        teacher = PromptBuilder.from_config(loaded.tokenizer, cfg.data, privileged=True)
+        answers = teacher_answers(engine, teacher, d.examples, greedy, path, dist.rank == 0)
+    solutions = Solutions(
+        loaded.tokenizer, d.examples, cfg.data, limit, target=boxed_target, token_targets=answers
+    )
     return SolutionQueue(solutions, *parts, plan=plan)
 
 

@@ -11,6 +11,7 @@ import argparse
 import random
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -133,7 +134,8 @@ class SFTDataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     path: str  # JSONL/JSON/Parquet/CSV file, save_to_disk dir or hub name with problem and solution fields
     problem_key: str = "problem"
-    solution_key: str = "solution"  # the response trained on
+    solution_key: str = "solution"  # the response trained on, unless target_key names another field
+    target_key: str | None = None  # the field trained on in place of solution_key (as training's key)
     split: str = "train"
     instruction: str = DEFAULT_INSTRUCTION  # appended to each problem, as in training
     student_thinking: bool | None = None  # enable_thinking in the chat template; None = template default
@@ -178,6 +180,7 @@ SFT_FLAGS = {
     "data": "data.path",
     "problem_key": "data.problem_key",
     "solution_key": "data.solution_key",
+    "target_key": "data.target_key",
     "max_len": "data.max_len",
     "steps": "optim.max_steps",
     "lr": "optim.lr",
@@ -202,6 +205,7 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="optim.batch_size (default 8)")
     p.add_argument("--problem-key", help="data.problem_key (default problem)")
     p.add_argument("--solution-key", help="data.solution_key (default solution)")
+    p.add_argument("--target-key", help="data.target_key: the field trained on instead (default: none)")
     p.add_argument("--max-len", type=int, help="data.max_len: prompt + response tokens; longer rows are cut")
     p.add_argument(
         "--dtype",
@@ -237,14 +241,17 @@ def run_sft(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, [*flag_overrides(args, SFT_FLAGS), *args.overrides], schema=SFTConfig)
     d, o = cfg.data, cfg.optim
-    rep = load_examples(d.path, problem_key=d.problem_key, solution_key=d.solution_key, split=d.split)
+    rep = load_examples(
+        d.path, problem_key=d.problem_key, solution_key=d.solution_key, split=d.split, target_key=d.target_key
+    )
+    examples = [replace(ex, solution=ex.target) if ex.target is not None else ex for ex in rep.examples]
     tok = load_tokenizer(cfg.model.path)
     device = resolve_device(cfg.device)
     prec = resolve(cfg.model.dtype, device, full_finetune=True, pure_bf16=cfg.model.pure_bf16)
     print(f"precision: {prec.describe()}", file=sys.stderr)
     model = load_model(cfg.model.path, dtype=prec.storage, device=str(device))
     pairs = sft_pairs_from_examples(
-        tok, rep.examples, instruction=d.instruction, enable_thinking=d.student_thinking, max_len=d.max_len
+        tok, examples, instruction=d.instruction, enable_thinking=d.student_thinking, max_len=d.max_len
     )
     torch.manual_seed(cfg.seed)
     losses = sft(

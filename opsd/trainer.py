@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -18,11 +18,14 @@ from torch import Tensor
 
 from opsd import checkpoint, distributed, metrics, setup
 from opsd.config import Config
+from opsd.data import student_prompt_ids
 from opsd.data.batching import MicroBatch, loss_tokens, make_microbatches, make_sample, pad_microbatches
 from opsd.errors import EngineError, TrainingError
 from opsd.eval.heldout import EvalResult, heldout_accuracy, heldout_divergence, solution_accuracy
+from opsd.eval.sets import SetResult, artifact_share, build_reference, evaluate_set, logits_of
 from opsd.guard import Guard
 from opsd.parallel import clip_grad_norm
+from opsd.rollout.base import SamplingParams
 
 StepOutputs = metrics.StepOutputs
 
@@ -36,12 +39,18 @@ class Evaluation:
 
     accuracy: EvalResult
     divergence: float | None = None
+    sets: dict[str, SetResult] = field(default_factory=dict)  # eval.sets, by name
+    artifacts: float | None = None  # eval.artifacts' share of eval.path's responses
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        """The figures the step record logs, named ``prefix`` + metric."""
+        """The figures the step record logs, named ``prefix`` + metric (a set's ``prefix`` + NAME/)."""
         out = self.accuracy.metrics(prefix=prefix)
         if self.divergence is not None:
             out[f"{prefix}divergence"] = self.divergence
+        if self.artifacts is not None:
+            out[f"{prefix}artifacts"] = self.artifacts
+        for name, result in self.sets.items():
+            out |= result.metrics(prefix=f"{prefix}{name}/")
         return out
 
 
@@ -89,6 +98,13 @@ class Trainer:
         self.engine, self.queue, self.mb_tokens = parts.engine, parts.queue, parts.mb_tokens
         self.autocast, self.forward_backward = parts.autocast, parts.forward_backward
         self.divergence_loss, self.stop = parts.divergence_loss, parts.stop
+        self.eval_sets = parts.eval_sets
+        self.answer_logits = logits_of(self.model, self.autocast, self.microbatches)
+        for s in self.eval_sets:  # the initial model's answers, before any step or resume moves it
+            if s.drift:
+                s.reference = build_reference(
+                    s, self._greedy, self._student_prompts(s.examples), self.answer_logits, cfg, self.rank
+                )
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
         self.metrics = setup.open_metrics(cfg, parts, resume=resume, after_step=self.step_num)
@@ -283,21 +299,45 @@ class Trainer:
         """Whether the last ``train()`` ended on a signal."""
         return self.stop.requested is not None
 
-    def evaluate(self) -> Evaluation:
-        """Held-out accuracy of the live model (no privileged information) and, with ``eval.divergence``,
-        the held-out divergence, sharded over ranks (every rank calls it)."""
-        accuracy = heldout_accuracy(
-            self.model,
-            self.tokenizer,
-            self.eval_examples,
-            self.cfg,
-            self.engine,
-            self.eval_grader,
-            self.rank,
-            self.world,
-        )
+    def evaluate(self, sets: bool = True) -> Evaluation:
+        """Held-out accuracy of the live model (no privileged information), with ``eval.divergence`` the
+        held-out divergence, and with ``sets`` every ``eval.sets`` entry (:mod:`opsd.eval.sets`), sharded
+        over ranks (every rank calls it)."""
+        accuracy = self.accuracy(self.eval_examples, self.eval_grader)
         divergence = self.heldout_divergence()["divergence"] if self.cfg.eval.divergence else None
-        return Evaluation(accuracy, divergence)
+        results = self.evaluate_sets() if sets else {}
+        return Evaluation(
+            accuracy, divergence, results, artifact_share(accuracy.items, self.cfg.eval.artifacts)
+        )
+
+    def evaluate_sets(self) -> dict[str, SetResult]:
+        """Every ``eval.sets`` entry's accuracy, drift and split, by name."""
+        phrases = self.cfg.eval.artifacts
+        return {s.name: evaluate_set(s, self.accuracy, self.answer_logits, phrases) for s in self.eval_sets}
+
+    def accuracy(self, examples: list, grader) -> EvalResult:
+        """The live model's accuracy on ``examples`` under ``grader``, sharded over ranks."""
+        return heldout_accuracy(
+            self.model, self.tokenizer, examples, self.cfg, self.engine, grader, self.rank, self.world
+        )
+
+    def _student_prompts(self, examples: list) -> list[list[int]]:
+        """The student's prompts of ``examples``, as the held-out evaluation builds them."""
+        d = self.cfg.data
+        build = partial(
+            student_prompt_ids, self.tokenizer, instruction=d.instruction, enable_thinking=d.student_thinking
+        )
+        return [build(ex.problem)[0] for ex in examples]
+
+    def _greedy(self, prompts: list[list[int]]) -> list:
+        """One greedy answer per prompt at eval.max_new_tokens, from the engine's current weights."""
+        params = SamplingParams(
+            temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens, seed=self.cfg.seed
+        )
+        self.engine.wake()
+        completions = self.engine.generate(prompts, 1, params)
+        self.engine.sleep()
+        return completions
 
     def evaluate_with_solutions(self, examples: list) -> EvalResult:
         """Greedy accuracy of the live model on ``examples`` (held-out rows with their solutions) with

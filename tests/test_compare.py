@@ -393,6 +393,49 @@ def test_bad_comparisons_are_one_line_errors(assets, tmp_path):
         compare.run_compare(None, _overrides(assets), tmp_path / "d", methods=["opsd"], seeds=[0])
 
 
+class _Trains(Exception):
+    """Raised where the first method would start training."""
+
+
+def _stop_at_training(*args, **kwargs):
+    raise _Trains
+
+
+def test_control_b_notes_rows_sharing_a_solution_before_any_method_trains(
+    assets, tmp_path, capsys, monkeypatch
+):
+    """Where a method's teacher reads another row's solution (control B, or a variant that does): how
+    many training rows share theirs, once at the start; every row with one solution is refused there."""
+    import opsd.compare.run as compare_run
+
+    monkeypatch.setattr(compare_run, "run_trainer_method", _stop_at_training)
+    shared = tmp_path / "shared.jsonl"
+    bios = ["Ana was born in Lima.", "Ana was born in Lima.", "Bo was born in Oslo.", "Cy was born in Rome."]
+    shared.write_text(
+        "".join(json.dumps({"problem": f"Q{i}?", "solution": b}) + "\n" for i, b in enumerate(bios))
+    )
+    overrides = [*_overrides(assets), f"data.path={shared}"]
+    kw = dict(seeds=[0], steps=1, progress=False)
+    line = f"data: 2 of 4 rows of {shared} share their solution with another row; control B reads"
+    with pytest.raises(_Trains):
+        compare.run_compare(None, overrides, tmp_path / "a", methods=["opsd", "control_b"], **kw)
+    assert capsys.readouterr().err.count(line) == 1
+    variant = compare.Variant("other", "opsd", ("teacher.solution_source=other",))
+    with pytest.raises(_Trains):
+        compare.run_compare(None, overrides, tmp_path / "b", methods=["other"], variants=[variant], **kw)
+    assert line in capsys.readouterr().err
+    with pytest.raises(_Trains):
+        compare.run_compare(None, overrides, tmp_path / "c", methods=["opsd"], **kw)
+    assert "share their solution" not in capsys.readouterr().err
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(json.dumps({"problem": f"Q{i}?", "solution": bios[0]}) + "\n" for i in range(3)))
+    with pytest.raises(UserError, match="every row has the same solution") as e:
+        compare.run_compare(
+            None, [*_overrides(assets), f"data.path={same}"], tmp_path / "d", methods=["control_b"], **kw
+        )
+    assert str(e.value).startswith(f"{same}: ") and "\n" not in str(e.value)
+
+
 SHARED = ROOT.parent / "shared" / "data"
 
 

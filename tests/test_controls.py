@@ -1,9 +1,10 @@
-"""teacher.solution_source: the wrong-answer control on GSM8K- and MATH-style rows, its refusals, and the
-GSM8K solution rewritten as a boxed SFT target."""
+"""teacher.solution_source: the wrong-answer control on GSM8K- and MATH-style rows, its refusals, control B
+on rows that share one solution, and the GSM8K solution rewritten as a boxed SFT target."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -12,6 +13,9 @@ from opsd.data.controls import (
     apply_solution_source,
     boxed_target,
     final_answer,
+    require_other_solution,
+    shared_text_note,
+    shared_text_rows,
     wrong_answer_solution,
     wrong_value,
 )
@@ -134,3 +138,73 @@ def test_the_answer_is_convention_is_a_final_answer_and_is_made_wrong():
     assert wrong_answer_solution(solution) == "24 + 6 = 30. 30 + 11 = 41. 91 - 41 = 51. The answer is 51."
     decimals = "0.5 + 0.25 = 0.75. The answer is 0.75."
     assert wrong_answer_solution(decimals) == "0.5 + 0.25 = 1.75. The answer is 1.75."
+
+
+def _bios(people: list[str]) -> list[Example]:
+    """One row a question, ``people[i]``'s biography the solution: rows of one person share their text."""
+    return [Example(f"q{i}", f"{who} was born in Havana.", who, i) for i, who in enumerate(people)]
+
+
+def test_control_b_never_reads_the_rows_own_text_where_rows_share_it():
+    """Nine questions a person, shuffled, and a group at the end whose nearest different text wraps
+    around to the first row."""
+    people = [who for who in ("Ines", "Petra", "Walter", "Yara") for _ in range(9)]
+    random.Random(0).shuffle(people)
+    people += ["Zoe"] * 4
+    rows = _bios(people)
+    other, refused = apply_solution_source(rows, "other")
+    assert refused == 0 and len(other) == len(rows)
+    assert all(o.solution != ex.solution for o, ex in zip(other, rows))
+    assert [o.problem for o in other] == [ex.problem for ex in rows]  # only the solution changes
+    n = len(rows)
+    for i, ex in enumerate(rows):  # the nearest following row whose text differs
+        j = next(j % n for j in range(i + 1, i + n) if rows[j % n].solution != ex.solution)
+        assert other[i].solution == rows[j].solution
+    assert [o.solution for o in other[-4:]] == [rows[0].solution] * 4
+
+
+def test_control_b_takes_the_nearest_following_different_solution():
+    rows = _bios(["A", "A", "B", "B", "B", "C", "A"])
+    other, _ = apply_solution_source(rows, "other")
+    assert [o.answer for o in rows] == ["A", "A", "B", "B", "B", "C", "A"]
+    assert [o.solution.split()[0] for o in other] == ["B", "B", "C", "C", "C", "A", "B"]
+    # Whitespace alone does not make a text different.
+    spaced = [Example("q0", "Ana  was born.", "", 0), Example("q1", "Ana was born.\n", "", 1)]
+    assert apply_solution_source(spaced, "other") == ([], 2)
+
+
+def test_shared_rows_are_counted():
+    assert shared_text_rows(_bios(["A", "B", "A", "C", "C", "C", "D"])) == 5
+    assert shared_text_rows(_bios(["A", "B", "C"])) == 0
+    assert shared_text_rows([]) == 0
+    note = shared_text_note(_bios(["A", "B", "A"]), "train.jsonl")
+    assert note.startswith("data: 2 of 3 rows of train.jsonl share their solution with another row;")
+    assert "\n" not in note
+
+
+def test_control_b_refuses_rows_that_all_share_one_solution(tmp_path):
+    """Nothing else to read: refused in one line naming the file, here and where training loads it."""
+    from opsd.setup import load_data
+
+    same = _bios(["A"] * 5)
+    assert apply_solution_source(same, "other") == ([], 5)
+    assert apply_solution_source(same[:1], "other") == ([], 1)
+    with pytest.raises(UserError, match="every row has the same solution") as err:
+        require_other_solution(same, "facts/train.jsonl")
+    assert str(err.value).startswith("facts/train.jsonl: ") and "\n" not in str(err.value)
+    require_other_solution(_bios(["A", "B"]), "train.jsonl")  # two different solutions: kept
+    rows = [{"question": f"Q{i}?", "answer": "Ana was born in Lima."} for i in range(3)]
+    cfg = _cfg(tmp_path, rows, "other")
+    with pytest.raises(UserError, match="every row has the same solution") as err:
+        load_data(cfg, privileged=True, needs_answers=False, rank=0, world=1)
+    assert str(err.value).startswith(f"{cfg.data.path}: ") and "\n" not in str(err.value)
+    # Without a teacher reading solutions no control applies: nothing is refused.
+    assert len(load_data(cfg, privileged=False, needs_answers=False, rank=0, world=1).examples) == 3
+
+
+def test_load_data_gives_control_b_the_nearest_different_solution(tmp_path):
+    from opsd.setup import load_data
+
+    rows = [{"question": f"Q{i}?", "answer": f"{who} was born."} for i, who in enumerate("AABA")]
+    data = load_data(_cfg(tmp_path, rows, "other"), privileged=True, needs_answers=False, rank=0, world=1)
+    assert [ex.solution[0] for ex in data.examples] == ["B", "B", "A", "B"]

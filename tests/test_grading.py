@@ -219,13 +219,15 @@ def test_grade_lenient(response: str, gold: str, expected: bool) -> None:
 
 
 def test_graders_by_name() -> None:
-    from opsd.grading import grade_answer_is, grade_last_number
+    from opsd.grading import grade_answer_is, grade_contains, grade_exact, grade_last_number
 
     assert GRADERS == {
         "math": grade,
         "lenient": grade_lenient,
         "last_number": grade_last_number,
         "answer_is": grade_answer_is,
+        "contains": grade_contains,
+        "exact": grade_exact,
     }
 
 
@@ -297,3 +299,52 @@ def test_answer_is_records_a_gold_that_is_not_a_number():
 
     g = grade_answer_is("The answer is 7.", "x + 1")
     assert not g.correct and "not a number" in g.error
+
+
+@pytest.mark.parametrize(
+    "response, gold, correct",
+    [
+        ("He was born in Havana.", "Havana", True),
+        ("HAVANA, of course", "havana", True),  # case is ignored
+        ("He flies copilots around.", "pilot", False),  # a whole word, not part of one
+        ("She is a pilot.", "pilot", True),
+        ("He was born in 19845.", "1984", False),
+        ("He was born in 1984.", "1984", True),
+        ("She works as a software engineer.", "software engineer", True),  # a phrase across spaces
+        ("She works as a Software  Engineer.", "software engineer", True),
+        ("She works as an engineer of software.", "software engineer", False),
+        ("He writes C++ all day.", "C++", True),  # regex metacharacters are literal
+        ("He writes Cxx all day.", "C++", False),
+        ("It costs $5 (five).", "$5", True),
+        ("Born in St. Louis.", "St. Louis", True),
+        ("Born in Stx Louis.", "St. Louis", False),
+        ("", "Havana", False),
+    ],
+)
+def test_contains_finds_the_gold_as_a_whole_word_or_phrase(response: str, gold: str, correct: bool) -> None:
+    g = GRADERS["contains"](response, gold)
+    assert (g.correct, g.error) == (correct, None)
+
+
+@pytest.mark.parametrize(
+    "response, gold, correct",
+    [
+        ("Havana", "Havana", True),
+        ("  havana.\n", "Havana", True),  # surrounding whitespace and one final period
+        ("Havana..", "Havana", False),  # one period only
+        ("Washington, D.C.", "Washington, D.C.", True),  # the gold stripped alike
+        ("He was born in Havana.", "Havana", False),  # the whole response, not a part
+        ("Havana!", "Havana", False),
+        ("1984", "1984", True),
+    ],
+)
+def test_exact_compares_the_whole_response(response: str, gold: str, correct: bool) -> None:
+    g = GRADERS["exact"](response, gold)
+    assert (g.correct, g.error) == (correct, None)
+
+
+@pytest.mark.parametrize("name", ["contains", "exact"])
+@pytest.mark.parametrize("gold", [None, "", "   "])
+def test_an_empty_gold_is_incorrect_with_its_reason(name: str, gold: str | None) -> None:
+    g = GRADERS[name]("Havana", gold)
+    assert not g.correct and g.error == "empty gold answer"

@@ -74,8 +74,11 @@ def test_the_probe_measures_everything_and_saves_its_verdict(assets, tmp_path, c
     phases = saved["phase_seconds"]
     assert list(phases) == ["setup", "student", "ceilings", "sampled", "token_stats", "reference_end"]
     assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= saved["seconds"] + 0.1
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "teacher ceiling" in printed and f"verdict: {saved['verdict']}" in printed
+    # How many rows share their solution with another: none here, every held-out row has its own.
+    assert f"data: 0 of 4 rows of {assets['heldout']} share their solution with another row" in captured.err
 
 
 def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, other=0.05, ratio=2.0):
@@ -152,6 +155,22 @@ def test_rows_without_solutions_or_answers_are_one_line(assets, tmp_path, capsys
     assert len(err) == 1 and "answer" in err[0]
     assert main([*argv[:-1], "0", *_overrides(assets)]) == 2
     assert "--limit 0" in capsys.readouterr().err
+
+
+def test_control_b_is_left_out_where_every_row_shares_one_solution(assets, tmp_path, capsys):
+    """Questions on one text: control B's teacher would read the row's own, so it is not measured."""
+    shared = tmp_path / "shared.jsonl"
+    solution = "Ana was born in 1984 and works as a pilot."
+    rows = [
+        {"problem": q, "solution": solution, "answer": a} for q, a in (("Year?", "1984"), ("Job?", "pilot"))
+    ]
+    shared.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = probe.run_probe(
+        None, _overrides(assets, f"eval.path={shared}"), tmp_path / "p", limit=2, progress=False
+    )
+    assert res["ceiling_other"] is None and res["tokens"]["solution_ratio"] is None
+    assert res["ceiling"] is not None
+    assert f"data: 2 of 2 rows of {shared} share their solution with another row" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode, away", [("entry", 1), ("token", 0), ("scale", 0), ("none", 0)])

@@ -4,6 +4,7 @@ evaluated at the budget's evaluation points, and the teacher's ceiling."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from opsd.compare.plan import Budget
@@ -58,7 +59,7 @@ def run_trainer_method(
     lenient = cfg.eval.lenient_grader
     try:
         if not run.points:
-            run.points.append(base or _evaluate(trainer, lenient, 0, 0, 0.0))
+            run.points.append(base or _with_sets(trainer, _evaluate(trainer, lenient, 0, 0, 0.0), []))
             _write_points(log, run.points)
         if ceiling is not None and not ceiling.is_file():
             ceiling.write_text(json.dumps(teacher_ceiling(trainer, cfg), indent=2))
@@ -67,9 +68,10 @@ def run_trainer_method(
             guarded = _guard_stop(trainer)
             if run.final.step < trainer.step_num and (on_grid or guarded):  # an evaluation is due
                 tokens, seconds, scored = _spent(run_dir / "metrics.jsonl", per_step)
-                tokens = 0 if cfg.objective == "sft" else tokens  # SFT's responses are the solutions
+                tokens = _sft_tokens(run_dir) if cfg.objective == "sft" else tokens  # SFT generates none
                 scored = scored if cfg.reads_teacher() else 0  # GRPO alone and SFT have no teacher
-                run.points.append(_evaluate(trainer, lenient, trainer.step_num, tokens, seconds, scored))
+                point = _evaluate(trainer, lenient, trainer.step_num, tokens, seconds, scored)
+                run.points.append(_with_sets(trainer, point, run.points))
                 _write_points(log, run.points)
                 say(progress, f"seed {seed} {method} step {trainer.step_num}: {_point_text(run.final)}")
             if guarded:  # a guard (config.guard) ended the method: its last evaluation is at the stop
@@ -90,6 +92,37 @@ def run_trainer_method(
         trainer.close()
     run.finished = True
     return run
+
+
+def _with_sets(trainer, point: EvalPoint, earlier: list[EvalPoint]) -> EvalPoint:
+    """``point`` with every ``eval.sets`` entry evaluated where eval.path's accuracy is a new best (the
+    base always): the figures at the step a run picks on eval.path, at no cost where it picks none."""
+    if not trainer.eval_sets or any(p.accuracy >= point.accuracy for p in earlier):
+        return point
+    sets = {}
+    for name, r in trainer.evaluate_sets().items():
+        res = r.accuracy
+        sets[name] = {
+            "accuracy": res.avg_at_k,
+            "problems": res.num_problems,
+            "resp_len": res.resp_len_mean,
+            "truncated": res.truncated_frac,
+            "drift": r.drift,
+            "seen": r.seen,
+            "other": r.other,
+            "artifacts": r.artifacts,
+            "correct": [sum(it["correct"]) / len(it["correct"]) for it in res.items],
+        }
+    return replace(point, sets=sets)
+
+
+def _sft_tokens(run_dir: Path) -> int:
+    """What SFT generated: nothing on the data's targets, the initial model's answers for context
+    distillation (``data.sft_targets: teacher``, generated once before its first step)."""
+    path = run_dir / "sft_targets.jsonl"
+    if not path.is_file():
+        return 0
+    return sum(len(json.loads(line)["token_ids"]) for line in path.read_text().splitlines() if line.strip())
 
 
 def _guard_stop(trainer) -> str | None:
@@ -119,7 +152,7 @@ def _evaluate(
     """The trainer's held-out evaluation (its grader, engine and settings), read response by response:
     the strict accuracy, the lenient one (``lenient``: eval.lenient_grader), length, truncation,
     repetition, and the held-out divergence."""
-    evaluation = trainer.evaluate()
+    evaluation = trainer.evaluate(sets=False)  # the sets where the run improves: _with_sets
     res = evaluation.accuracy
     return EvalPoint(
         step,
@@ -135,6 +168,7 @@ def _evaluate(
         repetition=mean([repetition(r.split()) or 0.0 for it in res.items for r in it["responses"]]),
         teacher_tokens=teacher_tokens,
         correct=[sum(it["correct"]) / len(it["correct"]) for it in res.items],
+        artifacts=evaluation.artifacts,
     )
 
 

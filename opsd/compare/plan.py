@@ -12,7 +12,8 @@ METHODS: dict[str, str] = {
     "opsd": "OPSD",
     "grpo": "GRPO",
     "mixed": "GRPO + distillation",
-    "sft": "SFT on the solutions",
+    "sft": "SFT on the solutions (or data.target_key)",
+    "context_distill": "context distillation: SFT on the teacher's own greedy answers",
     "control_a": "control A: teacher without the solution",
     "control_b": "control B: teacher with another problem's solution",
     "control_wrong": "wrong-answer control: teacher with its solution's final answer made wrong",
@@ -121,6 +122,8 @@ def method_overrides(
     (default GRPO's); ``sft_lr``: SFT's learning rate (default the config's)."""
     if method == "sft":
         return sft_overrides(budget, sft_lr)
+    if method == "context_distill":  # off-policy: the initial model's answers with the solution read
+        return [*sft_overrides(budget, None), "data.sft_targets=teacher"]
     if method == "opsd":
         return ["objective=opsd"]
     if method == "control_a":

@@ -22,6 +22,8 @@ class EvalPoint:
     repetition: float | None = None  # mean share of repeated word 4-grams (:func:`opsd.metrics.repetition`)
     teacher_tokens: int = 0  # response tokens the teacher scored so far; 0 for GRPO and SFT
     correct: list[float] | None = None  # per held-out problem, its share of correct samples (paired tests)
+    sets: dict[str, dict] | None = None  # eval.sets, where evaluated: at the base and each new best
+    artifacts: float | None = None  # eval.artifacts' share of the held-out responses
 
 
 @dataclass

@@ -140,6 +140,7 @@ def format_table(result: dict) -> str:
         ]
         lines.append(f"| {label(result, m)} | {' | '.join(row)} | {' | '.join(cost)} | {rate:.3g} |")
     lines += _paired_block(result)
+    lines += chosen_block(result)
     b = result["budget"]
     lines += [
         "",
@@ -192,6 +193,78 @@ def _paired_block(result: dict) -> list[str]:
     if not rows:
         return []
     return ["", "| method | against | difference in points [paired 95% CI] |", "|---|---|---|", *rows, ""]
+
+
+def _set_names(result: dict) -> list[str]:
+    """The ``eval.sets`` names the base evaluation recorded, in their order."""
+    first = result["runs"][0]["points"][0] if result["runs"] else {}
+    return list(first.get("sets") or {})
+
+
+def _rate(result: dict, run: dict) -> str:
+    return f"{run.get('lr') or result['lr']['opsd']:.3g}"
+
+
+def chosen_block(result: dict) -> list[str]:
+    """Per run, at the evaluation it picked on eval.path (the first at its highest accuracy, where the
+    sets were evaluated): eval.path's accuracy and every set's, with a drift set's drift and a split
+    set's seen / other accuracy; then each run on the first set against its seed's base, with paired 95%
+    intervals over the set's problems. Empty without ``eval.sets``."""
+    names = _set_names(result)
+    if not names:
+        return []
+    head = ["run", "lr", "step", "eval.path"]
+    for name in names:
+        head.append(name)
+        base_set = result["runs"][0]["points"][0]["sets"][name]
+        if base_set.get("seen") is not None:
+            head.append(f"{name} seen / other")
+        if base_set.get("drift") is not None:
+            head.append(f"{name} drift")
+    head += ["artifacts", "length"]
+    lines = ["", "At the step each run picked on eval.path:", "", "| " + " | ".join(head) + " |"]
+    lines.append("|" + "---|" * len(head))
+    bases = {r["seed"]: r["points"][0] for r in result["runs"]}
+    rows = [("base model", "-", p, seed) for seed, p in bases.items()]
+    rows += [
+        (f"{label(result, r['method'])} seed {r['seed']}", _rate(result, r), _best(r["points"]), r["seed"])
+        for r in result["runs"]
+    ]
+    for name, rate, p, _ in rows:
+        cells = [name, rate, str(p["step"]), f"{100 * p['accuracy']:.1f}%"]
+        for s in names:
+            got = (p.get("sets") or {}).get(s)
+            cells.append("-" if got is None else f"{100 * got['accuracy']:.1f}%")
+            if got is not None and got.get("seen") is not None:
+                cells.append(f"{100 * got['seen']:.1f}% / {100 * (got['other'] or 0):.1f}%")
+            if got is not None and got.get("drift") is not None:
+                cells.append(f"{got['drift']:.4f}")
+        cells.append("-" if p.get("artifacts") is None else f"{100 * p['artifacts']:.1f}%")
+        cells.append("-" if p.get("resp_len") is None else f"{p['resp_len']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + _chosen_pairs(result, names[0], bases, rows[len(bases) :])
+
+
+def _chosen_pairs(result: dict, name: str, bases: dict, rows: list) -> list[str]:
+    """Each run's accuracy on set ``name`` at its chosen step against its seed's base, in points with the
+    paired 95% interval over the set's problems."""
+
+    def correct(p: dict) -> list[float] | None:
+        return ((p.get("sets") or {}).get(name) or {}).get("correct")
+
+    lines = [
+        "",
+        f"On {name}, at the chosen steps:",
+        "",
+        "| run | against | difference in points [paired 95% CI] |",
+    ]
+    lines.append("|---|---|---|")
+    for who, _, p, seed in rows:
+        a, b = correct(p), correct(bases[seed])
+        if a and b and len(a) == len(b):
+            mean, lo, hi = paired_interval(a, b)
+            lines.append(f"| {who} | base | {100 * mean:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] |")
+    return lines
 
 
 def plot_compare(path: Path, result: dict) -> Path:

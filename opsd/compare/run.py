@@ -77,8 +77,12 @@ def run_compare(
     ceiling_path = out / "ceiling.json"
     context = ceiling_context(cfg) if ceiling else []
     extras = {m: _method_extra(m, named, grpo, coef, budget, mixed, sft_lr) for m in methods}
-    for method in methods:  # every method's config is checked before any trains
-        _check_method_config(config, [*per_seed(seeds[0]), *context], method, extras[method])
+    checked = {  # every method's config is checked before any trains
+        m: _check_method_config(config, [*per_seed(seeds[0]), *context], m, extras[m]) for m in methods
+    }
+    reads_other = [c for c in checked.values() if c.teacher.solution_source == "other"]
+    if reads_other:
+        _note_shared_solutions(reads_other[0])
     for seed in seeds:
         base = None
         overrides = [*per_seed(seed), *context]
@@ -130,13 +134,33 @@ def _method_extra(
     ]
 
 
-def _check_method_config(config: Path | None, overrides: list[str], method: str, extra: list[str]) -> None:
+def _check_method_config(config: Path | None, overrides: list[str], method: str, extra: list[str]):
     """One method's config as it will train, refused in one line naming the method before any trains
     (not hours in, when its turn comes)."""
     try:
-        _arm_config(config, overrides, extra)
+        return _arm_config(config, overrides, extra)
     except UserError as err:
         raise UserError(f"--methods {method}: {err}") from None
+
+
+def _note_shared_solutions(cfg) -> None:
+    """For a method whose teacher reads another row's solution (control B): how many training rows share
+    theirs with another row, on stderr; every row with the same one is refused before any method trains."""
+    from opsd.data.controls import require_other_solution, shared_text_note
+    from opsd.data.sources import load_examples, take_rows
+
+    d = cfg.data
+    loaded = load_examples(
+        d.path,
+        problem_key=d.problem_key,
+        solution_key=d.solution_key,
+        split=d.split,
+        skip_bad_rows=d.skip_bad_rows,
+        drop_empty_solution=d.drop_empty_solution,
+    )
+    rows = take_rows(loaded.examples, d.rows, "data.rows", d.path)
+    require_other_solution(rows, d.path)
+    say(True, shared_text_note(rows, d.path))
 
 
 def _check_methods(cfg, methods: list[str], named: dict[str, Variant]) -> None:

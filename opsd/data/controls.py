@@ -2,7 +2,10 @@
 GSM8K worked solution rewritten as an SFT target in the student's answer format.
 
 * ``own``: the row's solution, unchanged.
-* ``other`` (control B): the next row's solution.
+* ``other`` (control B): the solution of the nearest following row (wrapping around) whose solution
+  differs from the row's own: where rows share one text (several questions on one biography), the next
+  row's is often that same text. Every row having the same solution is refused
+  (:func:`require_other_solution`); :func:`shared_text_rows` counts the rows that share theirs.
 * ``wrong_answer``: the row's own solution with its final answer replaced by a wrong value
   (:func:`wrong_answer_solution`): every ``#### N``, every ``\\boxed{N}`` and, on the last worked line,
   the calculator note's result and the number after it (``<<48+24=72>>72``), a result written
@@ -17,10 +20,12 @@ GSM8K worked solution rewritten as an SFT target in the student's answer format.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 
 from opsd.data.sources import Example
+from opsd.errors import UserError
 
 SOLUTION_SOURCES = ("own", "other", "wrong_answer")
 _HASHES = re.compile(r"####[ \t]*\$?[ \t]*(-?[\d,]*\.?\d+)")
@@ -144,12 +149,15 @@ def _replace_boxed(text: str, same, wrong: str) -> str:
 
 def apply_solution_source(examples: list[Example], source: str) -> tuple[list[Example], int]:
     """The examples with the solution the teacher reads under ``teacher.solution_source`` and the number
-    of rows refused (``wrong_answer`` only: rows without a detectable final answer)."""
+    of rows refused (``wrong_answer``: rows without a detectable final answer; ``other``: every row when
+    all of them have the same solution)."""
     if source == "own" or not examples:
         return examples, 0
-    if source == "other":  # control B: each problem with the next row's solution
-        n = len(examples)
-        return [replace(ex, solution=examples[(i + 1) % n].solution) for i, ex in enumerate(examples)], 0
+    if source == "other":  # control B: each problem with the nearest following different solution
+        nearest = _nearest_different([_text(ex.solution) for ex in examples])
+        if nearest is None:
+            return [], len(examples)
+        return [replace(ex, solution=examples[j].solution) for ex, j in zip(examples, nearest)], 0
     if source != "wrong_answer":
         raise ValueError(f"unknown solution source {source!r}; expected one of {SOLUTION_SOURCES}")
     finals = [final_answer(ex.solution) for ex in examples]
@@ -160,6 +168,53 @@ def apply_solution_source(examples: list[Example], source: str) -> tuple[list[Ex
         if wrong is not None:
             kept.append(replace(ex, solution=wrong))
     return kept, len(examples) - len(kept)
+
+
+def _text(solution: str) -> str:
+    """A solution as compared with another: whitespace runs count as one space."""
+    return " ".join(solution.split())
+
+
+def _nearest_different(texts: list[str]) -> list[int] | None:
+    """Per row, the index of the nearest following row (wrapping around) whose text differs from its own;
+    None when every row has the same text. One pass backwards around the circle: a row whose successor
+    has its text takes the successor's answer."""
+    n = len(texts)
+    start = next((i for i in range(n) if texts[i] != texts[(i + 1) % n]), None)
+    if start is None:
+        return None
+    nearest = [0] * n
+    nearest[start] = (start + 1) % n
+    for k in range(1, n):
+        i = (start - k) % n
+        after = (i + 1) % n
+        nearest[i] = after if texts[after] != texts[i] else nearest[after]
+    return nearest
+
+
+def shared_text_rows(examples: list[Example]) -> int:
+    """How many rows share their solution with at least one other row: where control B would often have
+    read the row's own text had it taken the next row's."""
+    counts = Counter(_text(ex.solution) for ex in examples)
+    return sum(c for c in counts.values() if c > 1)
+
+
+def shared_text_note(examples: list[Example], path: str) -> str:
+    """The stderr line saying how many rows of ``path`` share their solution, and what control B reads."""
+    return (
+        f"data: {shared_text_rows(examples)} of {len(examples)} rows of {path} share their solution with "
+        "another row; control B reads the nearest following row whose solution differs"
+    )
+
+
+def require_other_solution(examples: list[Example], path: str) -> None:
+    """Control B needs two different solutions: refused in one line naming ``path`` where every row has
+    the same one (the teacher would read the row's own text, and the control would not be one)."""
+    if examples and len({_text(ex.solution) for ex in examples}) < 2:
+        raise UserError(
+            f"{path}: teacher.solution_source=other: every row has the same solution, so control B has "
+            "nothing else to read"
+        )
 
 
 def boxed_target(solution: str) -> str:

@@ -36,6 +36,7 @@ class Example:
     solution: str  # privileged information (may be "")
     answer: str | None
     row: int  # 0-based row index in the source (for messages)
+    target: str | None = None  # the SFT target (data.target_key), apart from the privileged text
 
 
 @dataclass
@@ -61,6 +62,7 @@ def load_examples(
     skip_bad_rows: bool = False,
     drop_empty_solution: bool = False,
     require_answer: bool = False,
+    target_key: str | None = None,
 ) -> LoadReport:
     """Load problems (+ privileged info, + optional gold answer) from a file, a save_to_disk dir or the hub.
 
@@ -70,6 +72,8 @@ def load_examples(
     Rows are 0-based (as in `ds[i]`); JSONL errors also give the 1-based line number.
     Nothing is dropped silently: skipped bad rows and dropped empty-solution rows are counted in the
     report and announced with warnings.warn. Text files may start with a UTF-8 byte-order mark.
+    ``target_key``: the field holding each row's SFT target (a string every row must have), kept apart
+    from the privileged ``solution_key`` text.
     Raises UserError for anything wrong with the data or the source name.
     """
     if drop_empty_solution and solution_key is None:
@@ -89,7 +93,11 @@ def load_examples(
             if isinstance(record, _BadRow):
                 raise record
             ex = _row_to_example(
-                record, row, f"{source}: {where}", problem_key, solution_key, answer_key, require_answer
+                record,
+                row,
+                f"{source}: {where}",
+                (problem_key, solution_key, answer_key, target_key),
+                require_answer,
             )
         except _BadRow as err:
             if not skip_bad_rows:
@@ -316,11 +324,11 @@ def _row_to_example(
     record: Any,
     row: int,
     where: str,
-    problem_key: str,
-    solution_key: str | None,
-    answer_key: str | None,
+    keys: tuple[str, str | None, str | None, str | None],
     require_answer: bool,
 ) -> Example:
+    """One row as an :class:`Example`; ``keys``: the problem, solution, answer and target fields."""
+    problem_key, solution_key, answer_key, target_key = keys
     if not isinstance(record, dict):
         raise _BadRow(f"{where}: expected a JSON object, got {type(record).__name__}")
 
@@ -361,7 +369,12 @@ def _row_to_example(
                 if require_answer:
                     raise _BadRow(f"{where}: field {answer_key!r} is an empty string")
                 answer = None
-    return Example(problem=problem, solution=solution, answer=answer, row=row)
+    target = None
+    if target_key is not None:
+        target = field(target_key)
+        if not isinstance(target, str) or not target.strip():
+            raise _BadRow(f"{where}: field {target_key!r} must be a non-empty string (data.target_key)")
+    return Example(problem=problem, solution=solution, answer=answer, row=row, target=target)
 
 
 def _answer_to_str(value: Any, where: str) -> str:

@@ -27,7 +27,7 @@ from opsd.data import DEFAULT_INSTRUCTION, load_examples
 from opsd.devices import empty_cache, machine_info, resolve_device
 from opsd.errors import UserError
 from opsd.eval.loop import EvalResult, check_settings, evaluate_model
-from opsd.grading import GRADERS, Grader, grade
+from opsd.grading import Grader, as_grade, grade, resolve_grader
 from opsd.models import load_model, load_tokenizer, resolve_model_path
 from opsd.precision import dtype_name
 from opsd.precision import resolve as resolve_precision
@@ -290,7 +290,7 @@ class EvalCommandConfig(BaseModel):
     device: DeviceSetting = "auto"  # auto | cpu | cuda | cuda:N (opsd.devices)
     k: int = Field(1, ge=1)  # samples per problem (Avg@k, pass@k)
     # opsd.grading.GRADERS: math-verify on the last \\boxed{}, or on its own extraction from the response
-    grader: Literal["math", "lenient", "last_number", "answer_is"] = "math"  # opsd.grading.GRADERS
+    grader: str = "math"  # a name from opsd.grading.GRADERS or package.module:function, as eval.grader
     out: str | None = None  # output dir; None: runs/eval-<data>-<time>
     model: EvalModelConfig
     data: EvalDataConfig
@@ -371,8 +371,8 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grader",
         help="grader: math (default; math-verify on the last \\boxed{}), lenient, last_number (the "
-        'response\'s last number) or answer_is (the number after the last "The answer is"), as eval.grader '
-        "in training",
+        'response\'s last number), answer_is (the number after the last "The answer is"), contains (the '
+        "gold as a whole word or phrase), exact, or package.module:function, as eval.grader in training",
     )
     p.add_argument("--temperature", type=float, help="rollout.temperature (default 0.6; 0 = greedy)")
     p.add_argument("--top-p", type=float, help="rollout.top_p (default 0.95)")
@@ -416,6 +416,7 @@ def run_eval(args: argparse.Namespace) -> int:
     args.model, stray = _split_overrides(args.model)
     overrides = [*flag_overrides(args, EVAL_FLAGS), *stray, *args.overrides]
     cfg = load_config(args.config, overrides, schema=EvalCommandConfig)
+    grader = resolve_grader(cfg.grader, "grader")  # before any model loads: one line for a bad name
     out = Path(cfg.out or f"runs/eval-{Path(cfg.data.path).stem}-{datetime.now():%Y%m%d-%H%M%S}")
     d, r = cfg.data, cfg.rollout
     results = evaluate(
@@ -439,7 +440,7 @@ def run_eval(args: argparse.Namespace) -> int:
         dtype=cfg.model.dtype,
         out_dir=out,
         progress=True,
-        grader=GRADERS[cfg.grader],
+        grader=lambda r, g: as_grade(grader(r, g)),
         cpu=cfg.cpu,
     )
     print(format_table(results))
