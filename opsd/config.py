@@ -684,7 +684,7 @@ class EvalSetConfig(_Section):
         False,
         description="Also the drift from the initial model: the mean per-token KL(initial || model) on the "
         "initial model's own greedy answers to these prompts, computed once at the start of a run and "
-        "cached (RUN_DIR/drift_reference.pt), over the initial model's eval.drift_topk most likely "
+        "cached (RUN_DIR/drift_reference_NAME.pt), over the initial model's eval.drift_topk most likely "
         "tokens and the rest as one bucket (a lower bound of the full KL; exact at the vocabulary size).",
     )
     seen_answers: bool = Field(

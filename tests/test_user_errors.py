@@ -108,3 +108,40 @@ def test_debug_shows_the_traceback(setup, tmp_path):
     cmd = [sys.executable, "-m", "opsd.cli", "--debug", *_train(setup, tmp_path, "device=gpu")]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert res.returncode != 0 and "Traceback" in res.stderr and "UserError" in res.stderr
+
+
+def test_a_row_without_its_target_is_named(setup, tmp_path, capsys):
+    """data.target_key: every row needs the field; the one that lacks it is named with its file."""
+    rows = [
+        {"problem": "What is 1 + 1?", "solution": "1 + 1 = 2.", "target": "2."},
+        {"problem": "What is 2 + 2?", "solution": "2 + 2 = 4."},
+    ]
+    path = tmp_path / "targets.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = main(_train(setup, tmp_path, f"data.path={path}", "objective=sft", "data.target_key=target"))
+    _one_line_error(capsys, code, str(path), "line 2 (row 1)", "'target'")
+
+
+def test_an_eval_set_without_answers_is_named_before_any_step(setup, tmp_path, capsys):
+    noans = str(setup["root"] / "noanswers.jsonl")
+    train = str(setup["root"] / "train.jsonl")
+    code = main(_train(setup, tmp_path, f"eval.path={train}", f"eval.sets.extra.path={noans}"))
+    _one_line_error(capsys, code, noans, "row 0", "'answer'")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (
+            ["eval.path={train}", "eval.sets.my-set.path={train}"],
+            ["eval.sets.my-set", "letters, digits and _"],
+        ),
+        (["data.sft_targets=teacher"], ["data.sft_targets=teacher", "objective=sft"]),
+    ],
+    ids=["set-name", "sft-targets"],
+)
+def test_eval_set_and_sft_target_settings_are_checked(setup, tmp_path, capsys, overrides, needles):
+    train = str(setup["root"] / "train.jsonl")
+    code = main(_train(setup, tmp_path, *(o.format(train=train) for o in overrides)))
+    _one_line_error(capsys, code, *needles)
