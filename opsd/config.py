@@ -1044,6 +1044,25 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _override_value(item: str, raw: str) -> Any:
+    """An override's value read as YAML, except text with ": " that YAML would read as a block mapping
+    or not at all (``data.instruction=Finish with: The answer is N.``): a mapping on the command line is
+    written in braces (``rollout.horizon={start: 48, end: 192, over_steps: 40}``), so such text is the
+    string it reads as."""
+    if not raw.strip():
+        return ""
+    braced = raw.lstrip().startswith(("{", "["))
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        if ": " in raw and not braced:
+            return raw
+        raise UserError(f"override {item!r}: the value is not valid YAML") from None
+    if isinstance(value, dict) and not braced:
+        return raw
+    return value
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | tuple[str, ...] = (),
@@ -1067,11 +1086,7 @@ def load_config(
         if "=" not in item:
             raise UserError(f"override {item!r} must look like section.key=value, e.g. loss.beta=0")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            raise UserError(f"override {item!r}: the value is not valid YAML") from None
-        _set_dotted(tree, key.strip(), value)
+        _set_dotted(tree, key.strip(), _override_value(item, raw))
     return validate(schema, tree, where=str(path) if path else None)
 
 

@@ -171,13 +171,14 @@ def say(progress: bool, msg: str) -> None:
 
 def progress_bar(total: int, done: int, desc: str, shown: bool, end: int):
     """The training loop's bar over ``total`` steps from ``done``; kept on screen only when this call
-    runs to the last step (``end == total``)."""
+    runs to the last step (``end == total``). Off a terminal (a log file, a cluster job, CI) there is no
+    bar, only the step lines: its carriage-return redraws would interleave with them."""
     return tqdm(
         total=total,
         initial=done,
         desc=desc,
         unit="step",
-        disable=not shown,
+        disable=None if shown else True,  # None: tqdm's own test, off where stderr is not a terminal
         dynamic_ncols=True,
         leave=end == total,
     )

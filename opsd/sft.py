@@ -91,7 +91,9 @@ def sft(
     rng = random.Random(seed)
     model.train()
     losses = []
-    bar = tqdm(range(steps), desc=desc, disable=not progress, leave=False, file=sys.stderr, unit="step")
+    bar = tqdm(
+        range(steps), desc=desc, disable=None if progress else True, leave=False, file=sys.stderr, unit="step"
+    )
     for step in bar:
         batch = [pairs[rng.randrange(len(pairs))] for _ in range(batch_size)]
         seqs = [p + r for p, r in batch]

@@ -33,6 +33,40 @@ def test_yaml_plus_overrides(tmp_path):
     )  # defaults to sampling's
 
 
+def test_an_override_with_a_colon_in_a_sentence_is_the_sentence():
+    """YAML reads "a: b" as a mapping; on the command line a mapping is written in braces, so a string
+    key's text with ": " in it stays the text, and a braced mapping stays a mapping."""
+    cfg = load_config(
+        None,
+        [
+            "data.path=x.jsonl",
+            "data.instruction=Solve it. Finish with: The answer is N.",
+            "data.teacher_template=Note: {solution}: {problem}",
+            "rollout.horizon={start: 8, end: 16, over_steps: 4}",
+        ],
+    )
+    assert cfg.data.instruction == "Solve it. Finish with: The answer is N."
+    assert cfg.data.teacher_template == "Note: {solution}: {problem}"
+    assert cfg.rollout.horizon == {"start": 8, "end": 16, "over_steps": 4}
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(None, ["data.path=x.jsonl", "rollout.stop_strings=[a, b"])
+
+
+def test_the_progress_bar_is_off_a_terminal_and_the_step_lines_stay(capsys):
+    """In a log file the bar's carriage-return redraws would interleave with the step lines: off a
+    terminal (pytest's captured stderr is none) only the lines are written, as the field's trainers do."""
+    from opsd import metrics
+
+    bar = metrics.progress_bar(10, 0, "opsd train", shown=True, end=10)
+    assert bar.disable
+    rec = {"step": 1, "loss": 0.5, "divergence": 0.5, "tokens_per_s": 10.0, "clip_frac": 0.0}
+    rec |= {"agreement": 1.0, "overlap_mass": 1.0, "resp_len_mean": 4.0, "time_step": 1.0}
+    metrics.show_step(bar, rec, lines=True)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err and "step     1" in err
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, ["data.path=x.jsonl", "loss.mode=topk", "loss.topk=20"])
     save_config(cfg, tmp_path / "config.yaml")

@@ -131,7 +131,11 @@ def evaluate_model(
     # Chunks of batch_size prompts: progress for the bar, and a full batch for every engine.
     items: list[dict[str, Any]] = []
     bar = tqdm(
-        total=len(examples), desc=f"eval {name}", unit="problem", disable=not progress, file=sys.stderr
+        total=len(examples),
+        desc=f"eval {name}",
+        unit="problem",
+        disable=None if progress else True,
+        file=sys.stderr,
     )
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
