@@ -179,8 +179,8 @@ def test_every_docs_command_runs_here_or_in_a_named_test():
 
 
 def shrink(argv: list[str], cache: Path) -> list[str]:
-    """A docs command at the tiny model's size: at most 2 steps, 1 tuning step, its first seed, 2
-    held-out problems of 8 tokens, the HF engine, a demo cache under the test's directory."""
+    """A docs command at the tiny model's size: at most 2 steps (a training run's too), 1 tuning step,
+    its first seed, 2 held-out problems of 8 tokens, the HF engine, a demo cache under the test's directory."""
     small = {"--steps": "2", "--eval-every": "2", "--tune-steps": "1", "--limit": "2"}
     out = []
     for i, a in enumerate(argv):
@@ -197,6 +197,8 @@ def shrink(argv: list[str], cache: Path) -> list[str]:
         out.append(a)
     if argv[1] == "demo" and "--steps" not in argv:
         out += ["--steps", "2"]
+    if argv[1] == "train" and not any(a.startswith("optim.max_steps=") for a in argv):
+        out += ["optim.max_steps=2", "rollout.max_new_tokens=8", "logging.progress=false"]
     if argv[1] in ("compare", "probe"):
         tiny = ["rollout.engine=hf", "rollout.max_new_tokens=8", "eval.max_new_tokens=8", "eval.limit=2"]
         out += [*tiny, *(["--no-progress"] if argv[1] == "compare" else ["--limit", "2"])]
