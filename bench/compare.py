@@ -22,7 +22,7 @@ from _md import write_section
 from demo import machine
 
 from opsd.demo.base import DemoSettings
-from opsd.demo.compare import ARMS, format_compare_table, gain, mean_curve, run_compare
+from opsd.demo.compare import ARMS, format_compare_table, gain, mean_curve, run_demo_compare
 from opsd.demo.run import COMPARE_STEPS
 
 ROOT = _common.ROOT
@@ -103,7 +103,7 @@ def main() -> None:
         shutil.rmtree(args.out)
     started, load_before = time.strftime("%Y-%m-%d %H:%M"), _common.load_avgs()
     print(f"load average before: {load_before}", flush=True)
-    r = run_compare(
+    r = run_demo_compare(
         DemoSettings(opsd_steps=args.steps),
         seeds,
         args.out / "runs",

@@ -114,7 +114,7 @@ def serve_tps(path, model, tok, prompts, args) -> tuple[dict[int, Timing], float
     import tempfile
     import urllib.request
 
-    from opsd.rollout.server import VLLMServerEngine
+    from opsd.rollout.remote import VLLMServerEngine
 
     port = 8765
     cmd = [sys.executable, "-m", "opsd", "serve", str(path), "--port", str(port)]

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from opsd.distributed import _initialized, rank_world, run_setup
+from opsd.distributed import initialized, rank_world, run_setup
 from opsd.errors import TrainingError, UserError
 from opsd.models import base_model, merged_weights
 from opsd.parallel import is_sharded
@@ -194,7 +194,7 @@ def save_distributed(
         if tensors:
             state["tensors"] = dict(tensors)
         with _single_process_quiet():
-            dcp.save(state, checkpoint_id=tmp / _DCP_DIR, no_dist=not _initialized())
+            dcp.save(state, checkpoint_id=tmp / _DCP_DIR, no_dist=not initialized())
 
         def write_own() -> None:
             (tmp / _rank_file(rank)).write_bytes(_check_plain(extra_state_per_rank, "extra_state_per_rank"))
@@ -229,7 +229,7 @@ def save_distributed(
 
 
 @dataclass
-class Loaded:
+class LoadedCheckpoint:
     """What :func:`load_distributed` hands back besides the in-place loads."""
 
     shared_state: dict
@@ -243,7 +243,7 @@ def load_distributed(
     optimizer: torch.optim.Optimizer | None,
     *,
     tensors: dict[str, Tensor] | None = None,
-) -> Loaded:
+) -> LoadedCheckpoint:
     """Collective: load a :func:`save_distributed` checkpoint in place, at any world size.
 
     Model, optimizer and ``tensors`` are resharded to the current layout (2 ranks -> 1, 1 -> 2, ...).
@@ -261,7 +261,7 @@ def load_distributed(
     if tensors:
         state["tensors"] = dict(tensors)
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=ckpt / _DCP_DIR, no_dist=not _initialized())
+        dcp.load(state, checkpoint_id=ckpt / _DCP_DIR, no_dist=not initialized())
     # strict=False: frozen weights are not in the checkpoint (they come from the model source); a
     # missing trainable tensor already failed in dcp.load, which loads every key it is asked for.
     opts = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -278,7 +278,7 @@ def load_distributed(
             if state["tensors"][name] is not t:
                 t.copy_(state["tensors"][name])
     rank_path = ckpt / _rank_file(rank)
-    return Loaded(
+    return LoadedCheckpoint(
         shared_state=torch.load(ckpt / _SHARED, weights_only=True),
         rank_state=torch.load(rank_path, weights_only=True) if rank_path.is_file() else None,
         saved_world_size=json.loads((ckpt / _META).read_text())["world_size"]

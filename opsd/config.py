@@ -350,7 +350,7 @@ class RolloutConfig(_Section):
         None,
         gt=0,
         description="vllm_server: the largest |log-prob| difference a weight sync's probe accepts between a "
-        "server and the trainer; null: from the two sides' roundings (opsd.rollout.server.probe_tolerance: "
+        "server and the trainer; null: from the two sides' roundings (opsd.rollout.remote.probe_tolerance: "
         "about 5e-4 for float32 on both sides of SmolLM2-135M, about 0.6 beside a bf16 server).",
     )
     overlap: Literal[0, 1] = Field(
@@ -395,7 +395,7 @@ class LossConfig(_Section):
     falls to 0.18 (the step raises the token's divergence by 0.028 to first order); under `token` the
     token teaches nothing. `scale` and `none` step every token down its own divergence (tests/test_loss.py,
     the descent property, which records `entry` as failing). The run's start prints the clip mode and
-    whether it keeps descent. The default is `none`: on the arithmetic comparison of docs/results.md
+    whether it keeps descent. The default is `none`: on the arithmetic comparison of docs/studies/arith.md
     (SmolLM2-135M, 400 test problems) no clip and `scale` 0.05 both end at the base's 2.75%, and
     `entry` 0.05 falls below it (0.25% at step 20, -2.50 points [-4.18, -0.82]; from step 40 the
     student answers in one token); the demo's gain runs with no clip. The paper recipe
@@ -437,7 +437,7 @@ class LossConfig(_Section):
         "teacher's end-token mass is raised to the student's own where it is lower, the rest of its "
         "distribution scaled to fit, so that the loss never lowers the student's chance of ending. A "
         "teacher that reads the solution and sees a wrong answer would rather go on and correct it; the "
-        "student, without the solution, learns that only as not stopping (docs/results.md, arith).",
+        "student, without the solution, learns that only as not stopping (docs/studies/arith.md).",
     )
     topk: int = Field(
         0, ge=0, description="mode=topk: the teacher's most likely tokens the loss is taken over."

@@ -58,13 +58,14 @@ class Dist:
         return self.rank == 0
 
 
-def _initialized() -> bool:
+def initialized() -> bool:
+    """Whether a process group is up: without torchrun a run is one process and has none."""
     return dist.is_available() and dist.is_initialized()
 
 
 def rank_world() -> tuple[int, int]:
     """(rank, world size) of the default process group; (0, 1) without one."""
-    return (dist.get_rank(), dist.get_world_size()) if _initialized() else (0, 1)
+    return (dist.get_rank(), dist.get_world_size()) if initialized() else (0, 1)
 
 
 def _torchrun_env() -> dict[str, int] | None:
@@ -95,7 +96,7 @@ def init_distributed(device: str, *, replicate: int = 1, timeout_s: float | None
     if env is None:
         return Dist(device=use_device(resolve_device(device)))
     dev = resolve_device(device, local_rank=env["LOCAL_RANK"])
-    if not _initialized():
+    if not initialized():
         kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
         dist.init_process_group(**process_group_args(dev), **kwargs)
     d = Dist(
@@ -110,7 +111,7 @@ def init_distributed(device: str, *, replicate: int = 1, timeout_s: float | None
 
 def shutdown() -> None:
     """Destroy the process group if there is one (safe to call always, e.g. in a ``finally``)."""
-    if _initialized():
+    if initialized():
         dist.destroy_process_group()
 
 
@@ -193,7 +194,7 @@ def _backend_devices() -> set[str]:
 
 
 def _all_reduce(t: Tensor, op: dist.ReduceOp.RedOpType) -> Tensor:
-    if not _initialized():
+    if not initialized():
         return t
     devices = _backend_devices()
     if t.device.type in devices:
@@ -231,7 +232,7 @@ def first_error(err: BaseException | str | None) -> tuple[int, str, bool] | None
     elif err is not None:
         mine = (err, False)
     gathered = [mine]
-    if _initialized():
+    if initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
     return next(((r, *g) for r, g in enumerate(gathered) if g is not None), None)

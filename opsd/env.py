@@ -182,7 +182,7 @@ PROBES: list[tuple[str, Callable[[], str]]] = [
 ]
 
 
-def run_probe(probe: Callable[[], str]) -> str:
+def probe_line(probe: Callable[[], str]) -> str:
     try:
         return probe()
     except Exception as e:  # one probe's failure is a line of the report, never the report's end
@@ -191,7 +191,7 @@ def run_probe(probe: Callable[[], str]) -> str:
 
 
 def report(probes: list[tuple[str, Callable[[], str]]] | None = None) -> str:
-    lines = [f"- {label}: {run_probe(probe)}" for label, probe in (PROBES if probes is None else probes)]
+    lines = [f"- {label}: {probe_line(probe)}" for label, probe in (PROBES if probes is None else probes)]
     return "\n".join([f"opsd {__version__} environment", "", *lines])
 
 

@@ -242,6 +242,75 @@ def grade_answer_is(response: str, gold: str) -> Grade:
     return _same_number(_ANSWER_IS.findall(response), gold)
 
 
+def _number_settled(text: str, end: int) -> int | None:
+    """Where the number that ends at ``end`` can no longer grow, or None: after it the regex reads
+    only digits, then ``,`` or ``.`` followed by a digit. So the number is settled by a next character
+    that is none of these, or by ``,``/``.`` followed by a non-digit. A space settles it only before a
+    character other than ``,``/``.`` (a tokenizer's clean-up of spaces turns " ." into "."); an
+    unfinished character (U+FFFD, a token cut inside a UTF-8 sequence) settles nothing."""
+    after = text[end : end + 2]
+    if not after or after[0] == "\ufffd" or after[0].isdecimal():
+        return None
+    if after[0] in ",. ":
+        if len(after) < 2 or after[1] == "\ufffd":
+            return None
+        if after[0] == " ":
+            return None if after[1] in ",." else end + 2
+        return None if after[1].isdecimal() else end + 2
+    return end + 1
+
+
+def answer_is_settled(text: str) -> int | None:
+    """The length of the shortest prefix of ``text`` in which an answer :func:`grade_answer_is` reads is
+    complete (the first such "The answer is N"), or None. Grading that prefix gives the grade of every
+    text it begins, unless the rest writes another "The answer is" (the grader reads the last)."""
+    for m in _ANSWER_IS.finditer(text):
+        settled = _number_settled(text, m.end())
+        if settled is not None:
+            return settled
+    return None
+
+
+_ANSWER_IS_PENDING = re.compile(r"[Tt]he answer is[ \t]*:?[ \t]*\$?[ \t]*(?:-?[\d,.]*[ ]?)?\ufffd*$")
+
+
+def answer_is_pending(text: str) -> bool:
+    """Whether ``text`` ends inside an answer :func:`grade_answer_is` would read: the phrase, then at
+    most a number still being written."""
+    return _ANSWER_IS_PENDING.search(text[-200:]) is not None
+
+
+@dataclass(frozen=True)
+class AnswerEnd:
+    """Where a grader's answer is complete in a response's text: `opsd probe` stops greedy answers
+    there (:func:`opsd.eval.cut.generate_to_answer`) instead of generating what no grade reads.
+
+    ``settled(text)``: the length of the shortest prefix of ``text`` whose grade every longer text
+    keeps unless it writes another answer, or None. ``pending(text)``: whether ``text`` ends inside an
+    answer still being written. ``markers``: strings every such answer contains, which an engine stops
+    at (``SamplingParams.stop_strings``) so the few tokens that settle the answer come next."""
+
+    markers: tuple[str, ...]
+    settled: Callable[[str], int | None]
+    pending: Callable[[str], bool]
+    rule: str  # the cut in words, for the probe's output
+
+
+# The graders whose answers can end before the response does, by name (:data:`GRADERS`).
+ANSWER_ENDS: dict[str, AnswerEnd] = {
+    "answer_is": AnswerEnd(
+        markers=("he answer is",),
+        settled=answer_is_settled,
+        pending=answer_is_pending,
+        rule=(
+            'answer_is: a response stops once its first "The answer is N" is complete (a character '
+            "after N that cannot extend it); the grader reads the last one, so a response that would "
+            "have written another answer later is graded on its first"
+        ),
+    ),
+}
+
+
 def grade_contains(response: str, gold: str) -> Grade:
     """The gold answer anywhere in the response as a whole word or phrase, ignoring case ("Havana" in "He
     was born in Havana.", not "pilot" in "copilots"; the words of "software engineer" may be parted by

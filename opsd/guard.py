@@ -1,15 +1,16 @@
 """Guards that stop a run going bad, and the record of its best checkpoint.
 
 OPSD runs can degrade: responses collapse in length, most responses run into the token limit, or
-held-out accuracy falls away from its best. :class:`Guard` watches each step's record (the
+held-out accuracy falls away from its best. :class:`StopRules` watches each step's record (the
 ``guard`` section of the config, every guard off by default) and, when one fires, stops the run as a
 signal does: the step's checkpoint is saved, and rank 0 prints one line naming the guard, the step, the
 measured value against its limit, the best checkpoint and the resume command (`opsd train` exits 0:
 the stop is deliberate). Each stop is appended to ``RUN_DIR/guard.jsonl``.
 
-With ``eval.every`` and ``checkpoint.keep_best``, the checkpoint saved at the best held-out accuracy
-is named in ``RUN_DIR/checkpoints/best.json`` (``{"step", "metric", "value", "checkpoint"}``), which
-the keep-last rotation (:func:`opsd.checkpoint.prune_checkpoints`) never deletes.
+With ``eval.every`` and ``checkpoint.keep_best``, :class:`BestCheckpoint` names the checkpoint saved
+at the best held-out accuracy in ``RUN_DIR/checkpoints/best.json`` (``{"step", "metric", "value",
+"checkpoint"}``), which the keep-last rotation (:func:`opsd.checkpoint.prune_checkpoints`) never
+deletes. The trainer holds one of each.
 
 The records themselves are read and written by :mod:`opsd.records` (light: `opsd report` reads them).
 """
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 
 from opsd.checkpoint import latest_checkpoint, prune_checkpoints
 from opsd.records import STOPS_FILE, best_checkpoint, best_path, jsonl, read_best, write_best
+from opsd.rundir import StopReason
 
 
 @dataclass(frozen=True)
@@ -40,19 +42,25 @@ class Fired:
     limit: float
     detail: str
 
+    @property
+    def reason(self) -> StopReason:
+        """The stop this guard asks for."""
+        return StopReason("guard", self.guard.removeprefix("guard."))
 
-class Guard:
-    """The guards of one run (:class:`opsd.config.GuardConfig`) over its step records.
+
+class StopRules:
+    """The guards of one run (:class:`opsd.config.GuardConfig`) over its step records: whether to stop,
+    and the line that says why.
 
     ``metric``: the held-out accuracy key (``eval/avg@k``). Only rank 0 (``active``) decides and writes;
     other ranks learn of a stop through the trainer's stop collective.
     """
 
-    def __init__(
-        self, cfg, *, metric: str, run_dir: Path, keep_best: bool, keep_last: int, active: bool = True
-    ) -> None:
-        self.cfg, self.metric, self.run_dir = cfg, metric, Path(run_dir)
-        self.keep_best, self.keep_last, self.active = keep_best, keep_last, active
+    def __init__(self, cfg, *, metric: str, run_dir: Path, active: bool = True) -> None:
+        self.cfg = cfg
+        self.metric = metric
+        self.run_dir = Path(run_dir)
+        self.active = active
         self.steps: list[int] = []  # steps with a training record, and their lengths and truncation
         self.lengths: list[float] = []
         self.truncated: list[float] = []
@@ -61,25 +69,15 @@ class Guard:
         self.fired: Fired | None = None
 
     @classmethod
-    def for_run(cls, cfg, run_dir: Path, step: int, rank: int) -> Guard:
+    def for_run(cls, cfg, run_dir: Path, step: int, rank: int) -> StopRules:
         """The guards of a run at ``step``, their history read back from ``metrics.jsonl`` (rank 0; a
         resumed run's file holds exactly the steps up to its checkpoint)."""
-        keep_best = cfg.checkpoint.keep_best and cfg.eval.every > 0
-        guard = cls(
-            cfg.guard,
-            metric=f"eval/avg@{cfg.eval.k}",
-            run_dir=run_dir,
-            keep_best=keep_best,
-            keep_last=cfg.checkpoint.keep_last,
-            active=rank == 0,
-        )
+        rules = cls(cfg.guard, metric=f"eval/avg@{cfg.eval.k}", run_dir=run_dir, active=rank == 0)
         if rank == 0:
             for rec in jsonl(Path(run_dir) / "metrics.jsonl"):
                 if rec["step"] <= step:
-                    guard.add(rec)
-            if not cfg.checkpoint.keep_best:  # the next rotation may delete an earlier best
-                best_path(run_dir).unlink(missing_ok=True)
-        return guard
+                    rules.add(rec)
+        return rules
 
     def add(self, rec: dict[str, Any]) -> None:
         """Take one step's record into the history, without checking anything."""
@@ -150,21 +148,8 @@ class Guard:
         ``stop.requested``."""
         fired = self.observe(rec)
         if fired is not None and stop.requested is None:
-            stop.requested = fired.guard
+            stop.requested = fired.reason
         return stop.requested is not None
-
-    def saved(self, checkpoint: Path, rec: dict[str, Any]) -> None:
-        """After a checkpoint was saved at ``rec``'s step (rank 0): with ``keep_best`` and a held-out
-        accuracy at this step above the recorded best, name it the best, and prune the older one."""
-        acc = rec.get(self.metric)
-        if not (self.active and self.keep_best and isinstance(acc, (int, float))):
-            return
-        best = read_best(self.run_dir)
-        standing = best is not None and best["metric"] == self.metric and best_checkpoint(self.run_dir)
-        if standing and float(acc) <= float(best["value"]):
-            return
-        write_best(self.run_dir, int(rec["step"]), self.metric, float(acc), checkpoint)
-        prune_checkpoints(self.run_dir, self.keep_last)
 
     def line(self) -> str:
         """The one line that says which guard stopped the run, where the best checkpoint is, and how to
@@ -187,10 +172,55 @@ class Guard:
         the signal's message (:meth:`opsd.rundir.GracefulStop.say_stopped`)."""
         if not self.active:
             return
-        if self.fired is None or stop.requested != self.fired.guard:  # a signal came first
+        if self.fired is None or stop.requested != self.fired.reason:  # a signal came first
             stop.say_stopped(step, self.run_dir)
             return
         line = self.line()
         with (self.run_dir / STOPS_FILE).open("a", encoding="utf-8") as fh:
             fh.write(json.dumps(asdict(self.fired) | {"line": line}) + "\n")
         tqdm.write(line, file=sys.stderr)
+
+
+class BestCheckpoint:
+    """The checkpoint saved at the best held-out accuracy, named in ``checkpoints/best.json`` so the
+    keep-last rotation never deletes it (``checkpoint.keep_best`` with ``eval.every``).
+
+    ``metric``: the held-out accuracy key (``eval/avg@k``). Only rank 0 (``active``) writes.
+    """
+
+    def __init__(
+        self, *, metric: str, run_dir: Path, keep_best: bool, keep_last: int, active: bool = True
+    ) -> None:
+        self.metric = metric
+        self.run_dir = Path(run_dir)
+        self.keep_best = keep_best
+        self.keep_last = keep_last
+        self.active = active
+
+    @classmethod
+    def for_run(cls, cfg, run_dir: Path, rank: int) -> BestCheckpoint:
+        """The keeper of a run's best checkpoint; without ``checkpoint.keep_best`` an earlier record is
+        removed (rank 0), since the next rotation may delete the checkpoint it names."""
+        keeper = cls(
+            metric=f"eval/avg@{cfg.eval.k}",
+            run_dir=run_dir,
+            keep_best=cfg.checkpoint.keep_best and cfg.eval.every > 0,
+            keep_last=cfg.checkpoint.keep_last,
+            active=rank == 0,
+        )
+        if rank == 0 and not cfg.checkpoint.keep_best:
+            best_path(run_dir).unlink(missing_ok=True)
+        return keeper
+
+    def saved(self, checkpoint: Path, rec: dict[str, Any]) -> None:
+        """After a checkpoint was saved at ``rec``'s step (rank 0): with ``keep_best`` and a held-out
+        accuracy at this step above the recorded best, name it the best, and prune the older one."""
+        acc = rec.get(self.metric)
+        if not (self.active and self.keep_best and isinstance(acc, (int, float))):
+            return
+        best = read_best(self.run_dir)
+        standing = best is not None and best["metric"] == self.metric and best_checkpoint(self.run_dir)
+        if standing and float(acc) <= float(best["value"]):
+            return
+        write_best(self.run_dir, int(rec["step"]), self.metric, float(acc), checkpoint)
+        prune_checkpoints(self.run_dir, self.keep_last)

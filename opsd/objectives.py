@@ -9,7 +9,7 @@
 - :class:`RLSD` (``objective: rlsd``): GRPO whose sign the verifier sets, each token's magnitude
   reweighted by the privileged teacher (the OPSD authors' ``rlsd_trainer.py``).
 - :class:`SFT` (``objective: sft``): supervised fine-tuning on the reference solutions, which the
-  step's queue hands it in place of rollouts (:class:`opsd.anchor.SolutionQueue`); no teacher.
+  step's queue hands it in place of rollouts (:class:`opsd.rollout.queue.SolutionQueue`); no teacher.
 
 An objective says what it needs (``uses_teacher``: the teacher scores every micro-batch;
 ``needs_answers``: rows must carry a gradable answer), reads the step's rollouts once

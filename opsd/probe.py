@@ -9,7 +9,8 @@ run's own prompts, engine, grader and loss:
   as rollouts are (``rollout.temperature``, ``rollout.max_new_tokens``): are its samples worth scoring?
 * the teacher's ceiling: the model answering with the solution in the teacher prompt; the same
   with another problem's solution (the nearest following row whose solution differs: rows may share
-  one) and with the final answer made wrong (the controls' teachers);
+  one) and with the final answer made wrong (the controls' teachers), on the first ``--control-limit``
+  problems (each accuracy with its 95% Wilson interval);
 * whether the teacher stops: the share of its ceiling answers that end before the limit, and its
   probability of the end token where the reference solution ends (the student's beside it);
 * on the student's sampled responses, per token: the divergence to the teacher, the share of tokens
@@ -26,8 +27,17 @@ run's own prompts, engine, grader and loss:
   logits is ``(S - P) / T``, so the ratio is how far control B's step departs from OPSD's, in OPSD's
   own size: below 1/2, most of OPSD's step is control B's, and OPSD may teach little more than it.
 
-The verdict (:func:`verdict`): headroom = ceiling - student with a paired 95% interval, and go or
-no-go with its reasons; printed and saved as ``probe.json``.
+The verdict (:func:`opsd.probe_report.verdict`): headroom = ceiling - student with a paired 95%
+interval, and go or no-go with its reasons; printed and saved as ``probe.json``.
+
+The greedy answers (the student's and the three ceilings') stop where their graded answer is complete,
+when ``eval.grader`` declares where that is (:data:`opsd.grading.ANSWER_ENDS`: ``answer_is``; the
+answer cut, :mod:`opsd.eval.cut`; ``--no-cut`` turns it off). A stopped answer grades as the whole one
+would unless the whole one would have written a second answer: the grader reads the last "The answer
+is", the cut keeps the first. The probe counts how often that changes a grade on the sampled responses,
+which are never cut. A stopped answer's length is counted to its cut, and whether it would have ended
+before the limit is unknown: the teacher-stops rule takes those as ending (no no-go it cannot prove) and
+notes where they decide it.
 """
 
 from __future__ import annotations
@@ -38,15 +48,16 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from opsd.compare import ceiling_context, paired_interval
+from opsd.compare import ceiling_context, paired_interval, wilson
 from opsd.errors import UserError
+from opsd.grading import ANSWER_ENDS, AnswerEnd
 from opsd.metrics import mean, say
+from opsd.probe_report import format_probe, verdict
 
 BATCH = 8  # sequences a probe forward takes at once
-MIN_TEACHER_STOPS = 0.5  # below this share of ceiling answers ending on their own, the teacher rambles
-MAX_SAMPLE_TRUNCATION = 0.5  # above this share of rollouts cut at the limit, the teacher scores noise
-# Below this, control B's forward-KL step departs from OPSD's by less than half of OPSD's own size.
-MIN_SOLUTION_RATIO = 0.5
+# Problems the controls' ceilings answer: they test that the solution decides the teacher's answers,
+# which is plain at a few dozen problems (3% against 92% on arith); each says its own interval.
+CONTROL_LIMIT = 30
 
 
 @dataclass
@@ -57,6 +68,9 @@ class Answers:
     truncated: float  # share cut at the token limit
     resp_len: float
     correct: list[bool] = field(default_factory=list, repr=False)
+    cut: float = 0.0  # share stopped by the answer cut once their answer was complete
+    problems: int = 0
+    interval: tuple[float, float] | None = None  # the accuracy's 95% Wilson interval
 
 
 @dataclass
@@ -78,67 +92,22 @@ class TokenStats:
     solution_top1_differs: float | None = None  # share of tokens whose top-1 the two teachers disagree on
 
 
-def verdict(probe: dict) -> tuple[str, list[str]]:
-    """``("go" | "no-go", reasons)`` from the probe's figures; the first reason is the headline."""
-    student, ceiling = probe["student"], probe["ceiling"]
-    gain, lo, hi = probe["headroom"]
-    no: list[str] = []
-    if ceiling["accuracy"] <= student["accuracy"] or lo <= 0:
-        no.append(
-            f"with the solution in its prompt the model scores {ceiling['accuracy']:.1%} in this answer "
-            f"format against {student['accuracy']:.1%} without it (headroom {gain:+.1%}, 95% interval "
-            f"[{lo:+.1%}, {hi:+.1%}]): the teacher knows nothing the student does not"
-        )
-    stops = 1 - ceiling["truncated"]
-    if stops < MIN_TEACHER_STOPS:
-        no.append(
-            f"the teacher rarely stops: {stops:.0%} of its answers end before eval.max_new_tokens; the "
-            "student would learn not to stop (try another data.teacher_template)"
-        )
-    sampled = probe["sampled"]
-    if sampled["truncated"] > MAX_SAMPLE_TRUNCATION:
-        no.append(
-            f"{sampled['truncated']:.0%} of the student's rollouts run to rollout.max_new_tokens at "
-            f"rollout.temperature={probe['settings']['rollout_temperature']}: the teacher would score mostly "
-            "unfinished text (lower the temperature or raise the limit)"
-        )
-    notes: list[str] = []
-    other = probe["ceiling_other"]
-    if other is not None and other["accuracy"] >= ceiling["accuracy"]:
-        notes.append(
-            f"another problem's solution gives the teacher {other['accuracy']:.1%}, as much as its own: the "
-            "gain would come from reading a worked solution, not this problem's"
-        )
-    tokens = probe["tokens"]
-    if tokens and tokens["steps_away"] > 0:
-        notes.append(
-            f"{tokens['steps_away']:.1%} of the sampled tokens step away from their teacher under "
-            "loss.clip_mode=entry (loss.clip_mode=scale or none keep every step a descent)"
-        )
-    ratio = tokens.get("solution_ratio") if tokens else None
-    if ratio is not None and ratio < MIN_SOLUTION_RATIO:
-        notes.append(
-            f"on the student's own tokens, control B's step (the teacher reading another problem's "
-            f"solution) departs from OPSD's by {ratio:.2f} of OPSD's own size: most of OPSD's step does not "
-            "depend on this problem's solution, so OPSD may teach little more than control B"
-        )
-    pull = tokens and tokens["end_teacher"] is not None and tokens["end_student"] is not None
-    if pull and tokens["end_teacher"] < 0.5 * tokens["end_student"]:
-        notes.append(
-            f"where the student ends, the teacher gives the end token {tokens['end_teacher']:.2f} against "
-            f"the student's {tokens['end_student']:.2f}: OPSD will push the student to go on"
-        )
-    if no:
-        return "no-go", no + notes
-    return "go", [f"headroom {gain:+.1%} [{lo:+.1%}, {hi:+.1%}] over {probe['problems']} problems", *notes]
-
-
 def _answers(res) -> Answers:
     correct = [bool(c) for it in res.items for c in it["correct"]]
-    return Answers(res.avg_at_k, res.truncated_frac, res.resp_len_mean, correct)
+    reasons = [r for it in res.items for r in it["finish_reasons"]]
+    cut = sum(r == "answer" for r in reasons) / len(reasons)
+    return _with_interval(Answers(res.avg_at_k, res.truncated_frac, res.resp_len_mean, correct, cut))
 
 
-def _evaluate(trainer, examples, prompts, *, temperature: float, max_new_tokens: int, name: str) -> Answers:
+def _with_interval(a: Answers) -> Answers:
+    """``a`` with its problem count and its accuracy's 95% Wilson interval."""
+    n = len(a.correct)
+    return replace(a, problems=n, interval=wilson(a.accuracy, n))
+
+
+def _greedy(trainer, examples, prompts, name: str, answer_end: AnswerEnd | None) -> Answers:
+    """Greedy answers at ``eval.max_new_tokens`` from ``prompts`` (None: the student prompts), graded;
+    with ``answer_end`` each stopped once its answer is complete."""
     from opsd.eval import evaluate_model
 
     res = evaluate_model(
@@ -146,9 +115,9 @@ def _evaluate(trainer, examples, prompts, *, temperature: float, max_new_tokens:
         trainer.tokenizer,
         examples,
         k=1,
-        temperature=temperature,
+        temperature=0.0,
         top_p=1.0,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=trainer.cfg.eval.max_new_tokens,
         instruction=trainer.cfg.data.instruction,
         enable_thinking=trainer.cfg.data.student_thinking,
         max_prompt_len=trainer.cfg.data.max_prompt_len,
@@ -157,11 +126,12 @@ def _evaluate(trainer, examples, prompts, *, temperature: float, max_new_tokens:
         grader=trainer.eval_grader,
         prompts=prompts,
         name=name,
+        answer_end=answer_end,
     )
     return _answers(res)
 
 
-def _ceiling(trainer, examples, source: str) -> Answers | None:
+def _ceiling(trainer, examples, source: str, answer_end: AnswerEnd | None = None) -> Answers | None:
     """Greedy answers with the teacher prompt holding the solution ``source`` gives (own, other,
     wrong_answer); None where the control refuses every row (no final answer to make wrong, or every
     row with the same solution)."""
@@ -173,8 +143,7 @@ def _ceiling(trainer, examples, source: str) -> Answers | None:
         return None
     builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
     prompts = [builder(i, ex)[1] for i, ex in enumerate(shown)]
-    e = trainer.cfg.eval
-    return _evaluate(trainer, shown, prompts, temperature=0.0, max_new_tokens=e.max_new_tokens, name=source)
+    return _greedy(trainer, shown, prompts, source, answer_end)
 
 
 def _logits(trainer, seqs: list[list[int]], response_lens: list[int], *, teacher: bool) -> list:
@@ -209,11 +178,11 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
     from opsd.data import PromptBuilder
     from opsd.data.controls import apply_solution_source
     from opsd.loss import per_token_loss_dense, topk_overlap_mass
-    from opsd.rollout.base import _stop_ids
+    from opsd.rollout.base import end_token_ids
 
     raw_spec = replace(spec, clip_mode="none", clip=0.0)
     builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
-    ends = set(_stop_ids(trainer.tokenizer, trainer.model, []))
+    ends = set(end_token_ids(trainer.tokenizer, trainer.model, []))
     others = apply_solution_source(examples, "other")[0] or None
     sums = dict(tokens=0, divergence=0.0, differs=0.0, overlap=0.0, removed=0.0, away=0)
     signal = dict(apart=0.0, pull=0.0, split=0)
@@ -326,9 +295,9 @@ def _reference_end(trainer, examples) -> dict:
     """The teacher's and the student's probability of the end token right after the reference solution,
     spliced as the response (the teacher's reads its own solution: does it know to stop there?)."""
     from opsd.data import PromptBuilder
-    from opsd.rollout.base import _stop_ids
+    from opsd.rollout.base import end_token_ids
 
-    end = _stop_ids(trainer.tokenizer, trainer.model, [])[0]
+    end = end_token_ids(trainer.tokenizer, trainer.model, [])[0]
     builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
     pairs = [builder(i, ex) for i, ex in enumerate(examples)]
     tok = trainer.tokenizer
@@ -385,14 +354,49 @@ def _sampled(trainer, examples) -> tuple[list, Answers]:
         correct,
     )
     trainer.engine.sleep()
-    return completions, sampled
+    return completions, _with_interval(sampled)
+
+
+def _cut_report(trainer, examples, completions, answer_end: AnswerEnd | None) -> dict | None:
+    """The answer cut's rule and, on the sampled responses (never cut), how many it would have stopped
+    and how many of those it would have graded otherwise; None without a cut."""
+    if answer_end is None:
+        return None
+    texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    golds = [examples[c.prompt_index].answer for c in completions]
+    stopped, changed = cut_changes(texts, golds, trainer.eval_grader, answer_end)
+    return {
+        "rule": answer_end.rule,
+        "sampled": {"responses": len(texts), "stopped": stopped, "changed": changed},
+    }
+
+
+def cut_changes(texts: list[str], golds: list[str], grader, end: AnswerEnd) -> tuple[int, int]:
+    """Of whole responses, how many the answer cut would stop (their first complete answer comes
+    before their end) and how many of those it would grade otherwise (a later answer, which the grader
+    reads, differs from the first): the cut's cost in grades, measured where nothing was cut."""
+    stopped = changed = 0
+    for text, gold in zip(texts, golds, strict=True):
+        at = end.settled(text)
+        if at is None or not text[at:].strip():
+            continue
+        stopped += 1
+        changed += grader(text[:at], gold).correct != grader(text, gold).correct
+    return stopped, changed
 
 
 def run_probe(
-    config: Path | None, overrides: list[str], out: Path, limit: int, progress: bool = True
+    config: Path | None,
+    overrides: list[str],
+    out: Path,
+    limit: int,
+    progress: bool = True,
+    control_limit: int = CONTROL_LIMIT,
+    cut: bool = True,
 ) -> dict:
-    """Every measurement of the module docstring on the first ``limit`` held-out problems; writes
-    ``out/probe.json`` (the trainer's scratch run directory is ``out/run``)."""
+    """Every measurement of the module docstring on the first ``limit`` held-out problems (the controls'
+    ceilings on the first ``control_limit`` of them; ``cut``: the answer cut where the grader has one);
+    writes ``out/probe.json`` (the trainer's scratch run directory is ``out/run``)."""
     from opsd.data.controls import shared_text_note
     from opsd.trainer import Trainer
 
@@ -405,17 +409,23 @@ def run_probe(
     clock.mark("setup")
     try:
         examples = trainer.eval_examples
+        controls = examples[:control_limit]
         e, r = cfg.eval, cfg.rollout
-        say(progress, f"probe: {len(examples)} problems of {e.path}")
-        say(True, shared_text_note(examples, e.path))
-        student = _evaluate(
-            trainer, examples, None, temperature=0.0, max_new_tokens=e.max_new_tokens, name="student"
+        answer_end = ANSWER_ENDS.get(e.grader) if cut else None
+        say(
+            progress,
+            f"probe: {len(examples)} problems of {e.path}, the controls' ceilings on {len(controls)}",
         )
+        say(True, shared_text_note(examples, e.path))
+        say(True, _cut_note(e.grader, answer_end, cut))
+        student = _greedy(trainer, examples, None, "student", answer_end)
         clock.mark("student")
-        ceilings = {s: _ceiling(trainer, examples, s) for s in ("own", "other", "wrong_answer")}
+        ceilings = {"own": _ceiling(trainer, examples, "own", answer_end)}
+        ceilings |= {s: _ceiling(trainer, controls, s, answer_end) for s in ("other", "wrong_answer")}
         clock.mark("ceilings")
         completions, sampled = _sampled(trainer, examples)
         clock.mark("sampled")
+        cut_report = _cut_report(trainer, examples, completions, answer_end)
         say(progress, "probe: scoring the sampled responses with the teacher")
         tokens = _token_stats(trainer, examples, completions, sampled.correct, trainer.spec)
         clock.mark("token_stats")
@@ -435,10 +445,13 @@ def run_probe(
             "rollout_temperature": r.temperature,
             "rollout_max_new_tokens": r.max_new_tokens,
             "loss": trainer.spec.describe(),
+            "control_problems": len(controls),
         },
+        "cut": cut_report,
         "student": asdict(student),
         "sampled": asdict(sampled),
         "ceiling": asdict(own),
+        "ceiling_on_controls": mean([float(c) for c in own.correct[: len(controls)]]),
         "ceiling_other": asdict(ceilings["other"]) if ceilings["other"] else None,
         "ceiling_wrong_answer": asdict(ceilings["wrong_answer"]) if ceilings["wrong_answer"] else None,
         "headroom": paired_interval(own.correct, student.correct),
@@ -455,6 +468,18 @@ def run_probe(
     (out / "probe.json").write_text(json.dumps(result, indent=2))
     print(format_probe(result))
     return result
+
+
+def _cut_note(grader: str, answer_end: AnswerEnd | None, asked: bool) -> str:
+    """The stderr line saying whether the greedy answers are cut, and what that keeps."""
+    if answer_end is not None:
+        return f"probe: answer cut on the greedy answers: {answer_end.rule}"
+    if not asked:
+        return "probe: no answer cut (--no-cut): the greedy answers run to their end"
+    return (
+        f"probe: no answer cut: eval.grader={grader} declares no answer end; the greedy answers run to "
+        "their end"
+    )
 
 
 class _Clock:
@@ -487,53 +512,6 @@ def _check_slice(cfg) -> None:
         )
 
 
-def format_probe(p: dict) -> str:
-    """The probe as a short table and its verdict."""
-    from opsd.loss.overlap import OVERLAP_K
-
-    named = [
-        ("student, greedy", "student"),
-        (f"student, sampled at T={p['settings']['rollout_temperature']}", "sampled"),
-        ("teacher ceiling (its solution)", "ceiling"),
-        ("ceiling, another problem's solution", "ceiling_other"),
-        ("ceiling, wrong final answer", "ceiling_wrong_answer"),
-    ]
-    lines = [
-        f"| answers ({p['problems']} problems, {p['settings']['grader']}) | accuracy | truncated | length |",
-        "|---|---|---|---|",
-    ]
-    for name, key in named:
-        a = p[key]
-        if a is not None:
-            lines.append(f"| {name} | {a['accuracy']:.1%} | {a['truncated']:.1%} | {a['resp_len']:.0f} |")
-    t = p["tokens"]
-    ref = p["reference_end"]
-    lines += [
-        "",
-        f"on {t['tokens']} sampled tokens ({p['settings']['loss']}): divergence {t['divergence']:.3f}, "
-        f"teacher top-1 differs {t['top1_differs']:.1%}, "
-        f"top-{OVERLAP_K} overlap mass {t['overlap_mass']:.3f}, "
-        f"clip removes {t['clip_removed']:.1%}, steps away from the teacher {t['steps_away']:.1%}",
-        f"control B's teacher (another problem's solution) from the teacher, over the student's distance: "
-        f"{_p(t.get('solution_ratio'))} (L1); the two teachers' top-1 differ on "
-        f"{_p(t.get('solution_top1_differs'), '.1%')} of the tokens",
-        f"end token where the student ended ({t['end_tokens']} responses): teacher {_p(t['end_teacher'])}, "
-        f"student {_p(t['end_student'])} (teacher after correct {_p(t['end_teacher_correct'])}, after wrong "
-        f"{_p(t['end_teacher_wrong'])}); after the reference solution: teacher {_p(ref['teacher'])}, "
-        f"student {_p(ref['student'])}",
-        "",
-        f"verdict: {p['verdict']}: " + "; ".join(p["reasons"]),
-        f"({p['seconds']:.0f} s: "
-        + ", ".join(f"{k} {v:.0f} s" for k, v in p.get("phase_seconds", {}).items())
-        + ")",
-    ]
-    return "\n".join(lines)
-
-
-def _p(x: float | None, fmt: str = ".2f") -> str:
-    return "-" if x is None else f"{x:{fmt}}"
-
-
 def add_probe_arguments(p: argparse.ArgumentParser) -> None:
     p.description = (
         "Before training: the student's accuracy, the teacher's ceiling (with the solution, another "
@@ -545,11 +523,33 @@ def add_probe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--limit", type=int, default=100, help="held-out problems probed (the first N of eval.path)"
     )
+    p.add_argument(
+        "--control-limit",
+        type=int,
+        default=CONTROL_LIMIT,
+        help="problems the controls' ceilings (another problem's solution, a wrong answer) answer: the "
+        "first N of the probed ones, each with its 95%% interval",
+    )
+    p.add_argument(
+        "--no-cut",
+        action="store_true",
+        help="generate every greedy answer to its end, not only to where its graded answer is complete",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/probe"), help="where probe.json goes")
 
 
 def run_probe_command(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise UserError(f"--limit {args.limit}: the probe needs at least 1 problem")
-    run_probe(args.config, list(args.overrides), args.out, args.limit)
+    if args.control_limit < 1:
+        raise UserError(f"--control-limit {args.control_limit}: the controls need at least 1 problem")
+    control_limit = min(args.control_limit, args.limit)
+    run_probe(
+        args.config,
+        list(args.overrides),
+        args.out,
+        args.limit,
+        control_limit=control_limit,
+        cut=not args.no_cut,
+    )
     return 0

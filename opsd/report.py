@@ -193,10 +193,13 @@ def _plot(
 
 
 def _eval_panels(table: dict[int, dict[str, float]]) -> list[list[str]]:
+    """Accuracies (eval.path's and every eval.sets entry's, with their seen / other split) on one panel,
+    drift from the initial model on another, the rest (lengths, truncation) on a third."""
     keys = sorted({k for rec in table.values() for k in rec})
-    acc = [k for k in keys if any(t in k.lower() for t in ("avg@", "pass@", "acc"))]
-    other = [k for k in keys if k not in acc]
-    return [p for p in (acc, other) if p]
+    acc = [k for k in keys if any(t in k.lower() for t in ("avg@", "pass@", "acc", "/seen", "/other"))]
+    drift = [k for k in keys if k.endswith("/drift")]
+    other = [k for k in keys if k not in acc and k not in drift]
+    return [p for p in (acc, drift, other) if p]
 
 
 def _fmt(v: float) -> str:

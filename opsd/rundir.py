@@ -13,7 +13,9 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -75,18 +77,37 @@ def _diff(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
     return out
 
 
+@dataclass(frozen=True)
+class StopReason:
+    """Why a run stops before its last step, as a value callers compare instead of text they parse.
+
+    ``kind``: ``signal`` (one this rank received; ``key`` is its name, ``SIGTERM``), ``peer`` (another
+    rank asked: a signal there, or a guard on rank 0), ``guard`` (``key`` is the guard's config key
+    without its section, ``max_truncation``). ``str()`` gives the words the messages print."""
+
+    kind: Literal["signal", "peer", "guard"]
+    key: str = ""
+
+    def __str__(self) -> str:
+        if self.kind == "guard":
+            return f"guard.{self.key}"
+        if self.kind == "peer":
+            return "a signal to another rank"
+        return self.key
+
+
 class GracefulStop:
     """Ctrl-C / SIGTERM set ``requested`` (the loop finishes its step, saves and exits); a second
     signal aborts. Handlers are installed on ``__enter__`` (main thread only) and restored on exit."""
 
     def __init__(self) -> None:
-        self.requested: str | None = None
+        self.requested: StopReason | None = None
         self._old: dict = {}
 
     def _handler(self, signum, frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = signal.Signals(signum).name
+        self.requested = StopReason("signal", signal.Signals(signum).name)
         print(
             f"\n{self.requested}: finishing the current step, then saving a checkpoint "
             "(signal again to abort without saving)",
@@ -103,6 +124,12 @@ class GracefulStop:
         for sig, h in self._old.items():
             signal.signal(sig, h)
         self._old.clear()
+
+    def join_peers(self) -> None:
+        """Some rank asked to stop after this step, so this one stops too: its own reason where it has
+        one, else ``peer``."""
+        if self.requested is None:
+            self.requested = StopReason("peer")
 
     def say_stopped(self, step: int, run_dir: Path) -> None:
         """What stopped the run, after which step, and the command that resumes it."""

@@ -23,10 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from opsd import checkpoint, cpu, distributed, models, parallel, precision
-from opsd.anchor import SFTAnchor, SolutionQueue, Solutions, teacher_answers
+from opsd.anchor import SFTAnchor, teacher_answers
 from opsd.config import Config, resolve_engine
 from opsd.data import DataCursor, Example, PromptBuilder, load_examples
 from opsd.data.controls import apply_solution_source, boxed_target, require_other_solution
+from opsd.data.solutions import Solutions
 from opsd.data.sources import take_rows
 from opsd.devices import check_compiler, resolve_device, use_device
 from opsd.errors import UserError
@@ -37,9 +38,9 @@ from opsd.metrics import MetricsWriter
 from opsd.microbatch import forward_backward
 from opsd.objectives import Objective, Scores, floor_end_tokens, make_distillation, make_objective
 from opsd.optim import make_optimizer
-from opsd.rollout.base import RolloutEngine, SamplingParams, _stop_ids
+from opsd.rollout.base import RolloutEngine, SamplingParams, end_token_ids
 from opsd.rollout.make import make_engine
-from opsd.rollout.queue import RolloutQueue
+from opsd.rollout.queue import RolloutQueue, SolutionQueue
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
 from opsd.teacher import Teacher
 
@@ -347,7 +348,7 @@ class MicroBatchLoop:
 
 
 @dataclass
-class Loaded:
+class LoadedRun:
     """:func:`load_run`'s parts: the rows, the tokenizer, the prompt builders and the SFT anchor."""
 
     data: Data
@@ -370,7 +371,7 @@ class RunParts:
     objective: Objective
     divergence_objective: Objective
     spec: DistillSpec
-    loaded: Loaded
+    loaded: LoadedRun
     model: nn.Module
     teacher: Teacher
     params: list[nn.Parameter]
@@ -417,7 +418,7 @@ def build(
     vocab = loaded.tokenizer.get_vocab()
     model, teacher, plan = prepare_model(cfg, dist, prec, plan, teacher_mode=mode, vocab=vocab)
     if cfg.loss.end_token == "floor":  # the end tokens are known once the tokenizer and model are
-        ends = tuple(_stop_ids(loaded.tokenizer, model, []))
+        ends = tuple(end_token_ids(loaded.tokenizer, model, []))
         objective = floor_end_tokens(objective, ends)
         spec = replace(spec, end_ids=ends)
     if dist.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
@@ -474,7 +475,7 @@ def build(
 
 
 def make_queue(
-    cfg: Config, engine: RolloutEngine, loaded: Loaded, dist: distributed.Dist, plan: cpu.CpuPlan
+    cfg: Config, engine: RolloutEngine, loaded: LoadedRun, dist: distributed.Dist, plan: cpu.CpuPlan
 ) -> RolloutQueue:
     """What each step trains on: the drawn problems' rollouts, or with ``objective: sft`` their
     reference solutions (a GSM8K ``#### N`` ending in the student's answer format, ``\\boxed{N}``)."""
@@ -517,7 +518,7 @@ def _graded(grader: Callable, response: str, gold: str | None) -> Any:
 
 def load_run(
     cfg: Config, dist: distributed.Dist, objective: Objective, resume: bool, overwrite: bool
-) -> Loaded:
+) -> LoadedRun:
     """The run directory (rank 0 prepares it), the rows, the tokenizer and the prompt builders."""
     run_dir = Path(cfg.logging.run_dir)
     if dist.rank == 0:
@@ -535,7 +536,7 @@ def load_run(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     coef, limit = cfg.loss.sft_coef, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     anchor = SFTAnchor(coef, tokenizer, data.examples, cfg.data, limit) if coef > 0 else None
-    return Loaded(data, tokenizer, prompts, eval_prompts, pad_id, anchor)
+    return LoadedRun(data, tokenizer, prompts, eval_prompts, pad_id, anchor)
 
 
 def make_autocast(

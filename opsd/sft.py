@@ -24,8 +24,9 @@ from tqdm.auto import tqdm
 
 from opsd.config import CpuTuning, DeviceSetting
 from opsd.cpu import CpuPlan, default_plan
-from opsd.data import DEFAULT_INSTRUCTION, student_prompt_ids
+from opsd.data import DEFAULT_INSTRUCTION
 from opsd.data.batching import pad_right, response_positions
+from opsd.data.solutions import sft_pairs_from_examples
 from opsd.models import final_hidden, head_weight
 from opsd.optim import make_optimizer
 
@@ -214,22 +215,6 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
         help="model.dtype: auto (default: bfloat16 where the device has bf16 units), float32, bfloat16",
     )
     p.add_argument("--seed", type=int, help="seed (default 0)")
-
-
-def sft_pairs_from_examples(
-    tok: Any, examples: list, *, instruction: str, enable_thinking: bool | None, max_len: int
-) -> list[tuple[list[int], list[int]]]:
-    """(student prompt, solution + eos) per example; a response that does not fit ``max_len`` is cut."""
-    pairs = []
-    for ex in examples:
-        prompt, _ = student_prompt_ids(
-            tok, ex.problem, instruction=instruction, enable_thinking=enable_thinking
-        )
-        resp = tok.encode(ex.solution, add_special_tokens=False) + [tok.eos_token_id]
-        pairs.append(
-            (prompt, resp if len(prompt) + len(resp) <= max_len else resp[: max(1, max_len - len(prompt))])
-        )
-    return pairs
 
 
 def run_sft(args: argparse.Namespace) -> int:

@@ -18,14 +18,21 @@ from torch import Tensor
 
 from opsd import checkpoint, distributed, metrics, setup
 from opsd.config import Config
-from opsd.data import student_prompt_ids
 from opsd.data.batching import MicroBatch, loss_tokens, make_microbatches, make_sample, pad_microbatches
 from opsd.errors import EngineError, TrainingError
-from opsd.eval.heldout import EvalResult, heldout_accuracy, heldout_divergence, solution_accuracy
-from opsd.eval.sets import SetResult, artifact_share, build_reference, evaluate_set, logits_of
-from opsd.guard import Guard
+from opsd.eval.heldout import (
+    EvalResult,
+    SetResult,
+    artifact_share,
+    drift_references,
+    evaluate_set,
+    heldout_accuracy,
+    heldout_divergence,
+    logits_of,
+    solution_accuracy,
+)
+from opsd.guard import BestCheckpoint, StopRules
 from opsd.parallel import clip_grad_norm
-from opsd.rollout.base import SamplingParams
 
 StepOutputs = metrics.StepOutputs
 
@@ -99,12 +106,8 @@ class Trainer:
         self.autocast, self.forward_backward = parts.autocast, parts.forward_backward
         self.divergence_loss, self.stop = parts.divergence_loss, parts.stop
         self.eval_sets = parts.eval_sets
-        self.answer_logits = logits_of(self.model, self.autocast, self.microbatches)
-        for s in self.eval_sets:  # the initial model's answers, before any step or resume moves it
-            if s.drift:
-                s.reference = build_reference(
-                    s, self._greedy, self._student_prompts(s.examples), self.answer_logits, cfg, self.rank
-                )
+        # The initial model's answers to the drift sets, before any step or resume moves it.
+        drift_references(self.eval_sets, self.engine, self.tokenizer, self.answer_logits(), cfg, self.rank)
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
         self.metrics = setup.open_metrics(cfg, parts, resume=resume, after_step=self.step_num)
@@ -243,7 +246,9 @@ class Trainer:
                 f"further: opsd train --resume {self.run_dir} optim.max_steps=N (N > {self.step_num})",
                 file=sys.stderr,
             )
-        history, guard = [], Guard.for_run(cfg, self.run_dir, self.step_num, self.rank)  # stops, best ckpt
+        history = []
+        rules = StopRules.for_run(cfg, self.run_dir, self.step_num, self.rank)
+        best = BestCheckpoint.for_run(cfg, self.run_dir, self.rank)
         shown = cfg.logging.progress and self.rank == 0
         bar = metrics.progress_bar(cfg.optim.max_steps, self.step_num, self.progress_desc, shown, end)
         self.stop.requested = None
@@ -260,12 +265,12 @@ class Trainer:
                         metrics.log_step(self.metrics, bar, rec, out, self.examples, self.decode, cfg.logging)
                     self._check_bad_steps()
                     # A signal on any rank, or a guard on rank 0, stops all of them after this step.
-                    if distributed.any_rank(guard.stops(rec, self.stop)):
-                        self.stop.requested = self.stop.requested or "a signal to another rank"
+                    if distributed.any_rank(rules.stops(rec, self.stop)):
+                        self.stop.join_peers()
                     if self._checkpoint_due(end) and self.bad_steps == 0:
-                        guard.saved(self.save(), rec)
+                        best.saved(self.save(), rec)
                     if self.stop.requested:
-                        guard.say_stopped(self.stop, self.step_num)
+                        rules.say_stopped(self.stop, self.step_num)
                         break
         except EngineError as e:  # a rollout server failed: what was saved is intact, say where
             last = checkpoint.latest_checkpoint(self.run_dir) or "none yet"
@@ -312,8 +317,8 @@ class Trainer:
 
     def evaluate_sets(self) -> dict[str, SetResult]:
         """Every ``eval.sets`` entry's accuracy, drift and split, by name."""
-        phrases = self.cfg.eval.artifacts
-        return {s.name: evaluate_set(s, self.accuracy, self.answer_logits, phrases) for s in self.eval_sets}
+        phrases, logits = self.cfg.eval.artifacts, self.answer_logits()
+        return {s.name: evaluate_set(s, self.accuracy, logits, phrases) for s in self.eval_sets}
 
     def accuracy(self, examples: list, grader) -> EvalResult:
         """The live model's accuracy on ``examples`` under ``grader``, sharded over ranks."""
@@ -321,23 +326,10 @@ class Trainer:
             self.model, self.tokenizer, examples, self.cfg, self.engine, grader, self.rank, self.world
         )
 
-    def _student_prompts(self, examples: list) -> list[list[int]]:
-        """The student's prompts of ``examples``, as the held-out evaluation builds them."""
-        d = self.cfg.data
-        build = partial(
-            student_prompt_ids, self.tokenizer, instruction=d.instruction, enable_thinking=d.student_thinking
-        )
-        return [build(ex.problem)[0] for ex in examples]
-
-    def _greedy(self, prompts: list[list[int]]) -> list:
-        """One greedy answer per prompt at eval.max_new_tokens, from the engine's current weights."""
-        params = SamplingParams(
-            temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens, seed=self.cfg.seed
-        )
-        self.engine.wake()
-        completions = self.engine.generate(prompts, 1, params)
-        self.engine.sleep()
-        return completions
+    def answer_logits(self):
+        """Samples to their response-position logits under the live model (made per call: a function
+        kept on the trainer would hold it in a reference cycle)."""
+        return logits_of(self.model, self.autocast, self.microbatches)
 
     def evaluate_with_solutions(self, examples: list) -> EvalResult:
         """Greedy accuracy of the live model on ``examples`` (held-out rows with their solutions) with

@@ -152,6 +152,45 @@ class ScriptedEngine(HFEngine):
         return out
 
 
+class WritingEngine(HFEngine):
+    """Writes a fixed text per problem, as an engine would: up to the token limit, its end token or the
+    first of the stop strings its new text holds; a prompt that already ends with the text's first
+    tokens (a sequence continued from its own tokens) gets the rest. ``write(a, b)`` is the text for
+    "What is a + b?"; ``written`` counts the tokens it generated, ``asked`` the sampling it was given."""
+
+    def __init__(self, rollout, model, tokenizer, write=None, **kwargs) -> None:
+        super().__init__(model, tokenizer)
+        self.write = write or (lambda a, b: f"Working: {a} + {b} = {a + b}. The answer is {a + b}.")
+        self.written = 0
+        self.asked: list = []
+
+    def response(self, prompt: list[int]) -> list[int]:
+        """The whole response to ``prompt``'s problem, its end token last."""
+        import re
+
+        a, b = re.search(r"What is (\d+) \+ (\d+)\?", self.tokenizer.decode(prompt)).groups()
+        text = self.write(int(a), int(b))
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+
+    def generate(self, prompts, n, params):
+        self.asked.append(params)
+        out = []
+        for i, p in enumerate(prompts):
+            whole = self.response(p)
+            done = max(k for k in range(len(whole) + 1) if k == 0 or p[-k:] == whole[:k])
+            new: list[int] = []
+            reason = "length"
+            for t in whole[done : done + params.max_new_tokens]:
+                new.append(t)
+                text = self.tokenizer.decode(new)
+                if t == self.tokenizer.eos_token_id or any(s in text for s in params.stop_strings):
+                    reason = "stop"
+                    break
+            self.written += n * len(new)
+            out += [Completion(i, list(new), [-0.5] * len(new), reason) for _ in range(n)]
+        return out
+
+
 FULL_FT = {
     "model.lora.enabled": "false",
     "optim.lr": 5e-6,

@@ -106,7 +106,7 @@ def test_sft_is_the_trainer_with_the_sft_objective(assets):
     grpo = compare.GRPOSettings(1e-4, 1.0, 2, False)
     keys = compare.method_overrides("sft", grpo, 1.0, budget, sft_lr=2e-5)
     user = [*_overrides(assets), "loss.sft_coef=0.5", "loss.reduction=sequence"]
-    cfg = compare._arm_config(None, user, keys)
+    cfg = compare.arm_config(None, user, keys)
     assert cfg.objective == "sft" and cfg.optim.lr == 2e-5 and cfg.loss.sft_coef == 0
     assert cfg.rollout.prompts_per_step * cfg.rollout.n == 4 and cfg.loss.reduction == "token"
     assert "optim.lr" not in " ".join(compare.method_overrides("sft", grpo, 1.0, budget))  # the config's
@@ -182,7 +182,7 @@ def test_the_table_reads_older_points_and_marks_the_best():
         ],
         ceiling={"accuracy": 0.9, "lenient": 0.95, "problems": 200},
     )
-    table = compare.format_table(result)
+    table = compare.format_comparison_table(result)
     row = next(x for x in table.splitlines() if x.startswith("| OPSD"))
     assert "40.0% [33.5, 46.9]" in row and "+30.0" in row and "| 2 | 20 |" in row
     assert "Teacher's ceiling" in table and "90.0% [85.1, 93.4], lenient 95.0%" in table
@@ -224,13 +224,13 @@ def test_variants_paired_differences_and_the_gap_closed():
         ],
         ceiling={"accuracy": 0.75, "problems": 4},
     )
-    table = compare.format_table(result)
+    table = compare.format_comparison_table(result)
     opsd = next(x for x in table.splitlines() if x.startswith("| OPSD |"))
     # d = [0, 1, 1, 0]: mean 0.5, sample variance 1/3, half-width 1.96 sqrt(1/12) = 0.566
     assert "| +50.0 [-6.6, +106.6] | 100.0% |" in opsd  # the whole gap: 25% -> 75% with a 75% ceiling
     assert "| OPSD (loss.clip_mode=entry) |" in table
     # d = [0, 0, 1, 0]: mean 0.25, sample variance 1/4, half-width 1.96 sqrt(1/16) = 0.49
-    assert "| OPSD | SFT on the solutions | +25.0 [-24.0, +74.0] |" in table
+    assert "| OPSD | SFT on the solutions (or data.target_key) | +25.0 [-24.0, +74.0] |" in table
     with pytest.raises(UserError, match="NAME=METHOD:KEY=VALUE"):
         compare.Variant.parse("opsd_entry=opsd")
     with pytest.raises(UserError, match="unknown method"):
@@ -288,7 +288,7 @@ def test_tuning_never_reads_a_reported_seeds_heldout_set(assets, tmp_path, monke
         None, _overrides(assets), out, tune_seeds=[5, 6], reported=[0], steps=2, progress=False
     )
     assert read and assets["heldout"] not in read
-    grid = compare.tune_grid(compare._arm_config(None, _overrides(assets), []), compare.Budget(2, 4, 2))
+    grid = compare.tune_grid(compare.arm_config(None, _overrides(assets), []), compare.Budget(2, 4, 2))
     assert len(tune["results"]) == len(grid)
     assert tune["chosen"] in [r["setting"] for r in tune["results"]]
     result = compare.run_compare(
@@ -367,9 +367,9 @@ def test_a_tuning_without_signal_says_so(tmp_path):
 def test_the_ceiling_fits_the_engines_context(assets):
     """The ceiling generates from teacher prompts (the solution included) on the rollout engine: every
     method's engine gets a context that holds one plus a held-out answer, unless the config sets one."""
-    cfg = compare._arm_config(None, _overrides(assets), ["data.max_teacher_prompt_len=300"])
+    cfg = compare.arm_config(None, _overrides(assets), ["data.max_teacher_prompt_len=300"])
     assert compare.ceiling_context(cfg) == ["rollout.max_model_len=304"]  # 300 + eval's 4 new tokens
-    own = compare._arm_config(None, _overrides(assets), ["rollout.max_model_len=999"])
+    own = compare.arm_config(None, _overrides(assets), ["rollout.max_model_len=999"])
     assert compare.ceiling_context(own) == []
 
 
@@ -487,3 +487,47 @@ def test_command_mistakes_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def _point(step: int, acc: float, sets: dict | None = None) -> dict:
+    return {"step": step, "accuracy": acc, "generated_tokens": 0, "train_seconds": 0.0, "sets": sets}
+
+
+def _sets(test: float, kept: float, drift: float) -> dict:
+    return {
+        "test": {"accuracy": test, "correct": [test] * 4, "drift": None, "seen": None, "other": None},
+        "retention": {"accuracy": kept, "correct": [kept] * 4, "drift": drift, "seen": 1.0, "other": 0.5},
+    }
+
+
+def test_each_run_reports_its_sets_at_the_step_it_picked_on_eval_path(tmp_path):
+    """The chosen step is the first at the run's highest eval.path accuracy (where the sets were
+    evaluated), never the last or a step chosen on the sets; the frontier plot has every run."""
+    from opsd.compare.report import chosen_block, plot_frontier
+
+    base = _point(0, 0.0, _sets(0.0, 0.8, 0.0))
+    runs = [
+        {
+            "method": "opsd_1e-4",
+            "seed": 0,
+            "lr": 1e-4,
+            "points": [base, _point(25, 0.3, _sets(0.25, 0.7, 0.1)), _point(50, 0.2), _point(75, 0.3)],
+        },
+        {
+            "method": "sft_5e-5",
+            "seed": 0,
+            "lr": 5e-5,
+            "points": [base, _point(25, 0.1, _sets(0.5, 0.4, 0.9))],
+        },
+    ]
+    variants = {
+        "opsd_1e-4": {"method": "opsd", "overrides": ["optim.lr=1e-4"]},
+        "sft_5e-5": {"method": "sft", "overrides": ["optim.lr=5e-5"]},
+    }
+    result = {"runs": runs, "variants": variants, "methods": ["opsd_1e-4", "sft_5e-5"], "lr": {"opsd": 1e-4}}
+    lines = chosen_block(result)
+    opsd_row = next(line for line in lines if line.startswith("| OPSD") and "0.0001" in line)
+    assert "| 25 | 30.0% | 25.0% | 70.0% | 100.0% / 50.0% | 0.1000 |" in opsd_row
+    assert any(line.startswith("| OPSD") and "| base | +25.0 [+25.0, +25.0] |" in line for line in lines)
+    assert plot_frontier(tmp_path / "frontier.png", result).is_file()
+    assert chosen_block({**result, "runs": [{**r, "points": [_point(0, 0.0)]} for r in runs]}) == []

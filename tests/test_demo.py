@@ -107,19 +107,19 @@ def test_rows_load_with_the_training_data_loader(tmp_path):
     ],
 )
 def test_grade(response, expected):
-    assert task.grade(response, "0722").correct is expected
+    assert task.grade_digits(response, "0722").correct is expected
 
 
-def test_final_answer_takes_the_last_one():
-    assert task.final_answer("so 0100 so 0722") == "0722"
-    assert task.final_answer("no answer here") is None
+def test_final_digits_take_the_last_one():
+    assert task.final_digits("so 0100 so 0722") == "0722"
+    assert task.final_digits("no answer here") is None
 
 
 def test_grade_is_a_grader_for_opsd_eval():
     """The task grader speaks opsd.grading's Grade, so opsd eval's loop counts answers and misses."""
-    assert task.grade("12 12 07 so 0722", "0722") == Grade(correct=True, extracted="0722", error=None)
-    assert task.grade("12 12 07 so 0723", "0722") == Grade(correct=False, extracted="0723", error=None)
-    assert task.grade("no answer", "0722") == Grade(correct=False, extracted=None, error=None)
+    assert task.grade_digits("12 12 07 so 0722", "0722") == Grade(correct=True, extracted="0722", error=None)
+    assert task.grade_digits("12 12 07 so 0723", "0722") == Grade(correct=False, extracted="0723", error=None)
+    assert task.grade_digits("no answer", "0722") == Grade(correct=False, extracted=None, error=None)
 
 
 def test_generation_budget_is_the_solution_plus_stop_plus_one():
@@ -127,7 +127,7 @@ def test_generation_budget_is_the_solution_plus_stop_plus_one():
     assert task.max_response_tokens(2) == len("10 10 so 100") + 2
 
 
-def test_heldout_accuracy_goes_through_opsd_eval(monkeypatch):
+def test_demo_accuracy_goes_through_opsd_eval(monkeypatch):
     """The demo's accuracy is opsd.eval.evaluate_model with the task's grader and the demo's prompts."""
     import opsd.eval
 
@@ -140,8 +140,8 @@ def test_heldout_accuracy_goes_through_opsd_eval(monkeypatch):
     monkeypatch.setattr(opsd.eval, "evaluate_model", spy)
     tok = base.build_tokenizer()
     rows = task.make_rows(4, seed=0, digits=3)
-    assert demo_run.heldout_accuracy(None, tok, rows, 3, with_solution=True) == 0.25
-    assert seen["grader"] is task.grade and seen["temperature"] == 0.0 and seen["k"] == 1
+    assert demo_run.demo_accuracy(None, tok, rows, 3, with_solution=True) == 0.25
+    assert seen["grader"] is task.grade_digits and seen["temperature"] == 0.0 and seen["k"] == 1
     assert seen["max_new_tokens"] == task.max_response_tokens(3)
     assert seen["prompts"] == [base.prompt_ids(tok, r, with_solution=True) for r in rows]
     assert [e.answer for e in seen["examples"]] == [r["answer"] for r in rows]
@@ -401,7 +401,7 @@ def test_grpo_arm_configures_the_trainer(tmp_path):
         cfg = load_config(
             None,
             demo_run.train_overrides(s, tmp_path, data, tmp_path / arm, control=False, progress=False)
-            + ["grpo.grader=opsd.demo.task:grade", *_demo_arm(arm, s)],
+            + ["grpo.grader=opsd.demo.task:grade_digits", *_demo_arm(arm, s)],
         )
         assert cfg.rollout.prompts_per_step * cfg.rollout.n == s.prompts_per_step
     assert cfg.teacher.solution_source == "other" and cfg.objective == "opsd"
@@ -456,7 +456,7 @@ def test_cli_compare_prints_the_table(monkeypatch, capsys, tmp_path):
         seen.update(settings=s, seeds=seeds, out=out)
         return {**_fake_result(), "plot": str(out / "compare.png"), "seconds": 12.0}
 
-    monkeypatch.setattr(compare, "run_compare", fake_compare)
+    monkeypatch.setattr(compare, "run_demo_compare", fake_compare)
     assert main(["demo", "--compare", "--seeds", "0,1,2", "--steps", "20", "--run-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "| OPSD | 90.0% | +80.0 |" in out and f"plot: {tmp_path / 'compare.png'}" in out
@@ -487,7 +487,7 @@ def test_cli_rejects_bad_seed_lists(capsys):
 def test_compare_refuses_a_directory_it_did_not_write(tmp_path):
     (tmp_path / "precious.txt").write_text("keep me")
     with pytest.raises(UserError, match="not an `opsd compare` directory"):
-        compare.run_compare(base.DemoSettings(), [0], tmp_path, cache=tmp_path / "cache", progress=False)
+        compare.run_demo_compare(base.DemoSettings(), [0], tmp_path, cache=tmp_path / "cache", progress=False)
     assert not (tmp_path / "cache").exists()
 
 
@@ -500,7 +500,8 @@ TINY = dict(
 @pytest.mark.slow
 def test_short_compare_writes_the_table_and_plot_and_control_a_stays_put(tmp_path):
     out = tmp_path / "compare"
-    r = compare.run_compare(base.DemoSettings(**TINY), [0], out, cache=tmp_path / "cache", progress=False)
+    settings = base.DemoSettings(**TINY)
+    r = compare.run_demo_compare(settings, [0], out, cache=tmp_path / "cache", progress=False)
     arms = {a["arm"]: a for a in r["seeds"][0]["arms"]}
     assert list(arms) == list(compare.ARMS)
     for a in arms.values():
@@ -532,7 +533,7 @@ def test_compare_runs_on_the_shipped_base(tmp_path, monkeypatch):
     _no_training(monkeypatch)
     s = base.DemoSettings(opsd_steps=2, eval_every=2)
     arms = ("opsd", "control_a")
-    r = compare.run_compare(s, [0], tmp_path / "c", arms=arms, cache=tmp_path, progress=False)
+    r = compare.run_demo_compare(s, [0], tmp_path / "c", arms=arms, cache=tmp_path, progress=False)
     sd = r["seeds"][0]
     assert (sd["student_before"], sd["teacher_with_solution"]) == SHIPPED_SEED0
     assert compare.gain(r, "control_a") == [0.0]

@@ -63,13 +63,13 @@ def test_a_run_that_skips_end_tokens_trains(tmp_path):
 def test_a_run_that_floors_end_tokens_trains_with_the_models_end_tokens(tmp_path):
     """loss.end_token=floor puts the tokenizer's and the model's end tokens into the loss's spec, which
     the objective and the startup line share, and trains."""
-    from opsd.rollout.base import _stop_ids
+    from opsd.rollout.base import end_token_ids
 
     assets = build_assets(tmp_path / "assets")
     cfg = make_cfg(assets, tmp_path / "run", **{"loss.end_token": "floor", "checkpoint.enabled": "false"})
     trainer = Trainer(cfg)
     try:
-        ends = tuple(_stop_ids(trainer.tokenizer, trainer.model, []))
+        ends = tuple(end_token_ids(trainer.tokenizer, trainer.model, []))
         assert ends and trainer.spec.end_ids == ends == trainer.objective.spec.end_ids
         assert "floored" in trainer.spec.describe()
         out = trainer.step()

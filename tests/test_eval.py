@@ -12,7 +12,7 @@ import torch
 from opsd.cli import main
 from opsd.data import Example, load_examples, student_prompt_ids
 from opsd.errors import UserError
-from opsd.eval import EvalResult, add_eval_arguments, evaluate, evaluate_model, format_table, run_eval
+from opsd.eval import EvalResult, add_eval_arguments, evaluate, evaluate_model, format_eval_table, run_eval
 from opsd.grading import GRADERS, Grade
 from opsd.rollout import Completion
 
@@ -77,7 +77,7 @@ def test_metrics_on_scripted_completions(tiny_tokenizer) -> None:
     assert res.items[0]["extracted"] == [r"\frac{1}{2}", "0.4", None]
     assert res.metrics()["eval/avg@3"] == pytest.approx(4 / 9)
     assert res.metrics()["eval/pass@3"] == pytest.approx(2 / 3)
-    table = format_table({"scripted": res})
+    table = format_eval_table({"scripted": res})
     assert "avg@3" in table and "0.4444" in table and "0.6667" in table
 
 

@@ -62,7 +62,7 @@ def test_reward_from_the_grader():
     math = make_reward("math")
     assert math("so the answer is \\boxed{42}", "42") == 1.0
     assert math("\\boxed{41}", "42") == 0.0
-    demo = make_reward("opsd.demo.task:grade")
+    demo = make_reward("opsd.demo.task:grade_digits")
     assert demo("1 + 2 = 3 so 3", "3") == 1.0 and demo("so 4", "3") == 0.0
 
 

@@ -16,12 +16,12 @@ from opsd import Trainer
 from opsd.checkpoint import list_checkpoints
 from opsd.cli import main
 from opsd.config import GuardConfig
-from opsd.guard import Guard
+from opsd.guard import StopRules
 from opsd.metrics import repetition
 from opsd.records import read_best, read_stops, write_best
 from opsd.report import run_marks
 from opsd.rollout import Completion, HFEngine
-from opsd.rundir import GracefulStop
+from opsd.rundir import GracefulStop, StopReason
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,8 @@ def test_repetition_is_the_share_of_repeated_4grams():
 # --- the guards' logic on records -----------------------------------------------------------------
 
 
-def _guard(tmp_path, **cfg) -> Guard:
-    return Guard(GuardConfig(**cfg), metric="eval/avg@1", run_dir=tmp_path, keep_best=True, keep_last=1)
+def _guard(tmp_path, **cfg) -> StopRules:
+    return StopRules(GuardConfig(**cfg), metric="eval/avg@1", run_dir=tmp_path)
 
 
 def _rec(step, length=100.0, truncated=0.0, acc=None) -> dict:
@@ -93,12 +93,10 @@ def test_accuracy_guard_measures_the_drop_from_the_best_evaluation(tmp_path):
 
 def test_guards_off_and_other_ranks_never_fire(tmp_path):
     off = _guard(tmp_path)
-    quiet = Guard(
+    quiet = StopRules(
         GuardConfig(min_length_ratio=0.9, max_truncation=0.0, window=1),
         metric="eval/avg@1",
         run_dir=tmp_path,
-        keep_best=True,
-        keep_last=1,
         active=False,
     )
     for s in range(1, 6):
@@ -106,8 +104,8 @@ def test_guards_off_and_other_ranks_never_fire(tmp_path):
         assert off.observe(rec) is None and quiet.observe(rec) is None
     stop = GracefulStop()
     assert not quiet.stops(_rec(6, 1.0, truncated=1.0), stop) and stop.requested is None
-    stop.requested = "SIGTERM"  # a signal still stops every rank
-    assert quiet.stops(_rec(7), stop) and stop.requested == "SIGTERM"
+    stop.requested = StopReason("signal", "SIGTERM")  # a signal still stops every rank
+    assert quiet.stops(_rec(7), stop) and stop.requested == StopReason("signal", "SIGTERM")
 
 
 def test_stop_names_the_guard_and_the_line_the_best_checkpoint(tmp_path):
@@ -116,20 +114,27 @@ def test_stop_names_the_guard_and_the_line_the_best_checkpoint(tmp_path):
     (run / "checkpoints" / "step_000003").mkdir()
     (run / "checkpoints" / "step_000003" / "state.pt").write_bytes(b"")
     write_best(run, 2, "eval/avg@1", 0.75, run / "checkpoints" / "step_000002")
-    g = Guard(
-        GuardConfig(max_truncation=0.2, window=1),
-        metric="eval/avg@1",
-        run_dir=run,
-        keep_best=True,
-        keep_last=1,
-    )
+    g = StopRules(GuardConfig(max_truncation=0.2, window=1), metric="eval/avg@1", run_dir=run)
     stop = GracefulStop()
-    assert g.stops(_rec(3, truncated=0.5), stop) and stop.requested == "guard.max_truncation"
+    assert g.stops(_rec(3, truncated=0.5), stop) and stop.requested == StopReason("guard", "max_truncation")
+    assert str(stop.requested) == "guard.max_truncation"
     assert g.line() == (
         "guard.max_truncation stopped the run after step 3: 0.500 of the responses over steps 3-3 were cut "
         "at rollout.max_new_tokens, above the limit 0.2; best checkpoint: "
         f"{run}/checkpoints/step_000002 (eval/avg@1=0.750 at step 2); resume with: opsd train --resume {run}"
     )
+
+
+def test_a_stop_reason_is_a_value_whose_words_the_messages_print():
+    assert str(StopReason("signal", "SIGTERM")) == "SIGTERM"
+    assert str(StopReason("guard", "max_truncation")) == "guard.max_truncation"
+    assert str(StopReason("peer")) == "a signal to another rank"
+    stop = GracefulStop()
+    stop.join_peers()  # another rank asked: this one stops with it
+    assert stop.requested == StopReason("peer")
+    stop.requested = StopReason("signal", "SIGINT")
+    stop.join_peers()  # its own reason stays
+    assert stop.requested == StopReason("signal", "SIGINT")
 
 
 # --- a synthetic collapse on the tiny trainer ---------------------------------------------------------

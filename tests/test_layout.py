@@ -137,6 +137,40 @@ def test_the_never_rules_catch_each_kind_of_violation():
     ]
 
 
+# the command modules: nothing below them imports them (docs/architecture.md)
+COMMAND_MODULES = (
+    "opsd.cli",
+    "opsd.demo",
+    "opsd.compare",
+    "opsd.probe",
+    "opsd.rollout.serve",
+    "opsd.env",
+    "opsd.report",
+    "opsd.eval.cli",
+    "opsd.sft",
+)
+
+
+def command_imports_from_below(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of a command module by a module that is not a command, as "importer -> imported";
+    the package's ``__init__`` and ``__main__`` start commands and are left out."""
+    bad = []
+    for name, deps in sorted(graph.items()):
+        if name in ("opsd", "opsd.__main__") or any(_in(name, c) for c in COMMAND_MODULES):
+            continue
+        bad += [f"{name} -> {d}" for d in sorted(deps) if any(_in(d, c) for c in COMMAND_MODULES)]
+    return bad
+
+
+def test_nothing_below_a_command_imports_one():
+    assert command_imports_from_below(import_graph()) == []
+
+
+def test_the_command_rule_catches_an_import_from_below():
+    graph = {"opsd.anchor": {"opsd.sft", "opsd.data"}, "opsd.compare.run": {"opsd.sft"}, "opsd": {"opsd.cli"}}
+    assert command_imports_from_below(graph) == ["opsd.anchor -> opsd.sft"]
+
+
 def _top_level_roots(path: Path, anywhere: bool = False) -> list[tuple[str, int]]:
     tree = ast.parse(path.read_text())
     roots = []
@@ -193,3 +227,106 @@ def test_the_size_count_leaves_out_the_docstring_only():
     assert _body_lines(fn) == 2
     fn = ast.parse("def g():\n    a = 1\n    b = 2\n    return a + b\n").body[0]
     assert _body_lines(fn) == 3
+
+
+# --- each name once, private names kept private ----------------------------------------------------
+
+ONCE_EXEMPT = {"main", "__getattr__"}  # every command module has its main; lazy packages their __getattr__
+
+
+def defined_twice(sources: dict[str, str]) -> list[str]:
+    """Each public function or class name defined at the top level of more than one module, as
+    "name: module, module"; a reader who greps a name finds one definition."""
+    where: dict[str, list[str]] = {}
+    for module, source in sorted(sources.items()):
+        for node in ast.parse(source).body:
+            named = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if named and not node.name.startswith("_") and node.name not in ONCE_EXEMPT:
+                where.setdefault(node.name, []).append(module)
+    return [f"{name}: {', '.join(mods)}" for name, mods in sorted(where.items()) if len(mods) > 1]
+
+
+def _sources() -> dict[str, str]:
+    return {_module_name(p): p.read_text() for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_each_top_level_name_is_defined_once():
+    assert defined_twice(_sources()) == []
+
+
+def test_the_once_rule_catches_a_name_defined_twice():
+    sources = {
+        "opsd.a": "def run_x():\n    pass\nclass Loaded:\n    pass\ndef main():\n    pass\n",
+        "opsd.b": "def run_x():\n    pass\ndef _helper():\n    pass\ndef main():\n    pass\n",
+        "opsd.c": "class Loaded:\n    pass\ndef _helper():\n    pass\n",
+    }
+    assert defined_twice(sources) == ["Loaded: opsd.a, opsd.c", "run_x: opsd.a, opsd.b"]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(sources: dict[str, str]) -> list[str]:
+    """Each private name (one leading underscore) one opsd module takes from another, as
+    "module:line what": imported (``from opsd.x import _name``) or read off an imported opsd module
+    (``x._name``, ``opsd.x._name``). A name another module needs is public, or it moves."""
+    found = []
+    for name, source in sorted(sources.items()):
+        tree = ast.parse(source)
+        bound: dict[str, str] = {}  # local name -> the opsd module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    top = a.name.split(".")[0]  # `import opsd.x` binds `opsd`; `import opsd.x as m`, m
+                    if a.name in sources:
+                        bound[a.asname or top] = a.name if a.asname else top
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in sources:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    if full in sources:
+                        bound[a.asname or a.name] = full
+                    elif _private(a.name) and node.module != name:
+                        found.append(f"{name}:{node.lineno} from {node.module} import {a.name}")
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+                continue
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in bound:
+                target = ".".join([bound[value.id], *reversed(chain)])
+                if target in sources and target != name:
+                    found.append(f"{name}:{node.lineno} {target}.{node.attr}")
+    return found
+
+
+def test_no_private_name_is_used_across_modules():
+    assert private_uses(_sources()) == []
+
+
+def test_the_private_rule_catches_imports_and_attributes():
+    sources = {
+        "opsd": "",
+        "opsd.a": "def _helper():\n    pass\n_flag = 1\n",
+        "opsd.b": "from opsd.a import _helper, __doc__\n",
+        "opsd.c": "\n".join(
+            [
+                "import opsd.a",
+                "import opsd.a as m",
+                "from opsd import a",
+                "opsd.a._flag",
+                "m._helper()",
+                "a.__doc__",
+            ]
+        ),
+        "opsd.d": "from opsd import a\n\ndef f(x):\n    return a._helper(), x._private\n",
+        "opsd.e": "import json\njson._default_decoder\n",
+    }
+    assert private_uses(sources) == [
+        "opsd.b:1 from opsd.a import _helper",
+        "opsd.c:4 opsd.a._flag",
+        "opsd.c:5 opsd.a._helper",
+        "opsd.d:4 opsd.a._helper",
+    ]

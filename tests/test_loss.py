@@ -420,7 +420,7 @@ def test_a_shared_head_gives_what_two_heads_give(kw):
 def test_top1_agreement_takes_the_first_of_tied_maxima_like_argmax():
     """The kernel counts agreement with ``max(-1).indices`` (faster than ``argmax`` on a CPU); both take
     the first maximal index, so rows whose maxima tie count as argmax counts them. Exact: no arithmetic."""
-    from opsd.loss.fused import _log_probs
+    from opsd.loss.fused import chunk_log_probs
 
     a = torch.zeros(4, 8, dtype=torch.float64)
     b = torch.zeros(4, 8, dtype=torch.float64)
@@ -430,21 +430,21 @@ def test_top1_agreement_takes_the_first_of_tied_maxima_like_argmax():
     a[2, 3] = b[2, [3, 6]] = 1.0  # b ties (first 3) with a's 3 (agree)
     # row 3: every entry ties in both: index 0 in both (agree)
     want = (a.argmax(-1) == b.argmax(-1)).sum()
-    _, _, _, stats = _log_probs(a.clone(), b.clone(), DistillSpec(), with_stats=True)
+    _, _, _, stats = chunk_log_probs(a.clone(), b.clone(), DistillSpec(), with_stats=True)
     assert int(stats.agree) == int(want) == 3
 
 
 def test_sampled_tokens_log_probs_come_from_the_kernels_log_softmax():
     """``lp`` is filled from the kernel's own ``log S`` (the block log_softmax wrote), bit for bit,
     not from a separate logsumexp pass."""
-    from opsd.loss.fused import _log_probs
+    from opsd.loss.fused import chunk_log_probs
 
     g = torch.Generator().manual_seed(4)
     a, b = (torch.randn(5, 50, generator=g) * 6 for _ in range(2))
     y = torch.randint(0, 50, (5,), generator=g)
     want = a.log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
     lp = torch.full((5,), float("nan"))
-    _log_probs(a, b, DistillSpec(), with_stats=False, y=y, lp=lp)
+    chunk_log_probs(a, b, DistillSpec(), with_stats=False, y=y, lp=lp)
     assert torch.equal(lp, want)
 
 
@@ -452,12 +452,12 @@ def test_sampled_tokens_log_probs_come_from_the_kernels_log_softmax():
 def test_log_probs_are_written_into_the_logit_blocks(dtype):
     """Over the full vocabulary the kernel's log S and log P take the logit blocks' memory (two [c, V]
     blocks fewer per chunk) and hold exactly what log_softmax gives (the same kernel, written in place)."""
-    from opsd.loss.fused import _log_probs
+    from opsd.loss.fused import chunk_log_probs
 
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(6, 300, generator=g, dtype=dtype) * 8 for _ in range(2))
     want_s, want_p = a.log_softmax(-1), b.log_softmax(-1)
-    log_s, log_p, idx, _ = _log_probs(a, b, DistillSpec(), with_stats=True)
+    log_s, log_p, idx, _ = chunk_log_probs(a, b, DistillSpec(), with_stats=True)
     assert idx is None
     assert log_s.data_ptr() == a.data_ptr() and log_p.data_ptr() == b.data_ptr()
     assert torch.equal(log_s, want_s) and torch.equal(log_p, want_p)

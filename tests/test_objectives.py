@@ -195,7 +195,7 @@ def test_the_sft_objective_trains_on_the_solutions_without_rollouts_or_teacher(a
     """objective=sft: each drawn row's solution and end token is its one response, the step's loss the
     token-mean cross-entropy of those tokens under the weights before the step (what `opsd sft`'s loop
     takes on the same rows); nothing is generated and no teacher scores."""
-    from opsd.sft import sft_pairs_from_examples
+    from opsd.data.solutions import sft_pairs_from_examples
     from opsd.teacher import Teacher
 
     over = {"objective": "sft", "model.dtype": "float64", "optim.max_steps": 1, "checkpoint.enabled": "false"}

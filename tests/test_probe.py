@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
 
 import pytest
-from helpers import build_assets
+from helpers import WritingEngine, build_assets
 
 from opsd import probe
 from opsd.cli import main
@@ -81,7 +85,50 @@ def test_the_probe_measures_everything_and_saves_its_verdict(assets, tmp_path, c
     assert f"data: 0 of 4 rows of {assets['heldout']} share their solution with another row" in captured.err
 
 
-def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, other=0.05, ratio=2.0):
+def test_the_controls_answer_fewer_problems_and_the_greedy_answers_stop_at_their_answer(
+    assets, tmp_path, capsys, monkeypatch
+):
+    """An engine that writes a correct answer and goes on: the greedy answers stop after it, the sampled
+    ones do not, and the cut changes no grade; the controls' ceilings answer the first 2 problems."""
+    write = partial(
+        WritingEngine, write=lambda a, b: f"{a} + {b} = {a + b}. The answer is {a + b}. So 1, 2, 3."
+    )
+    monkeypatch.setattr("opsd.setup.make_engine", write)
+    lengths = ["eval.max_new_tokens=48", "rollout.max_new_tokens=48", "eval.grader=answer_is"]
+    overrides = _overrides(assets, *lengths)
+    out = tmp_path / "probe"
+    probe.run_probe(None, overrides, out, limit=4, progress=False, control_limit=2)
+    saved = json.loads((out / "probe.json").read_text())
+    assert saved["settings"]["control_problems"] == 2
+    for key, n in (("student", 4), ("sampled", 4), ("ceiling", 4), ("ceiling_other", 2)):
+        a = saved[key]
+        lo, hi = a["interval"]
+        assert a["problems"] == n and lo <= a["accuracy"] == 1.0 <= hi, key
+    assert saved["ceiling_wrong_answer"]["problems"] <= 2
+    for key in ("student", "ceiling", "ceiling_other"):
+        assert saved[key]["cut"] == 1.0 and saved[key]["truncated"] == 0.0, key
+    assert saved["sampled"]["cut"] == 0.0
+    assert saved["cut"]["sampled"] == {"responses": 4, "stopped": 4, "changed": 0}
+    assert saved["student"]["resp_len"] < saved["sampled"]["resp_len"]
+    captured = capsys.readouterr()
+    assert "probe: answer cut on the greedy answers: answer_is:" in captured.err
+    assert "greedy answers stopped once their first answer was complete" in captured.out
+    assert "| ceiling, another problem's solution | 2 | 100.0% [" in captured.out
+
+    whole = probe.run_probe(None, overrides, tmp_path / "whole", limit=4, progress=False, cut=False)
+    assert whole["cut"] is None and whole["student"]["cut"] == 0.0
+    assert whole["student"]["resp_len"] == whole["sampled"]["resp_len"] > saved["student"]["resp_len"]
+    assert "no answer cut (--no-cut)" in capsys.readouterr().err
+
+
+def test_the_control_limit_is_checked_before_anything_loads(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("seed: 0\n")
+    assert main(["probe", "--config", str(config), "--control-limit", "0"]) == 2
+    assert "--control-limit 0" in capsys.readouterr().err
+
+
+def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, other=0.05, ratio=2.0, cut=0.0):
     n = 100
     s = [i < student * n for i in range(n)]
     c = [i < ceiling * n for i in range(n)]
@@ -90,7 +137,7 @@ def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, ot
         "settings": {"rollout_temperature": 0.7},
         "student": {"accuracy": student, "truncated": 0.3},
         "sampled": {"accuracy": student, "truncated": sampled_trunc},
-        "ceiling": {"accuracy": ceiling, "truncated": ceiling_trunc},
+        "ceiling": {"accuracy": ceiling, "truncated": ceiling_trunc, "cut": cut},
         "ceiling_other": {"accuracy": other, "truncated": 0.3},
         "headroom": paired_interval(c, s),
         "tokens": {"steps_away": 0.0, "end_teacher": 0.5, "end_student": 0.6, "solution_ratio": ratio},
@@ -110,6 +157,8 @@ def _figures(student=0.05, ceiling=0.9, ceiling_trunc=0.2, sampled_trunc=0.3, ot
         (_figures(sampled_trunc=0.9), "no-go", "90% of the student's rollouts run to rollout.max_new_tokens"),
         (_figures(other=0.9), "go", "another problem's solution gives the teacher 90.0%"),
         (_figures(ratio=0.3), "go", "departs from OPSD's by 0.30 of OPSD's own size"),
+        (_figures(cut=0.5), "go", "whether the teacher stops is open: 30% of its answers ended"),
+        (_figures(ceiling_trunc=0.6, cut=0.3), "no-go", "the teacher rarely stops: 40%"),
     ],
 )
 def test_the_verdict_names_its_reason(figures, verdict, reason):
@@ -214,3 +263,25 @@ def test_the_probe_runs_under_every_loss_mode(assets, tmp_path, mode):
     res = probe.run_probe(None, _overrides(assets, *more), tmp_path / "p", limit=3, progress=False)
     t = res["tokens"]
     assert t["tokens"] >= 3 and math.isfinite(t["divergence"]) and math.isfinite(t["solution_ratio"])
+
+
+def test_the_bench_script_parses_its_arguments_and_renders_a_probe(assets, tmp_path):
+    """bench/probe_speed.py times the real probe (not here: SmolLM2 on arith); its flags and its table,
+    on a tiny probe's figures, run here."""
+    root = Path(__file__).resolve().parents[1]
+    script = root / "bench" / "probe_speed.py"
+    helped = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=root)
+    assert helped.returncode == 0 and "--control-limit" in helped.stdout and "--whole" in helped.stdout
+    overrides = _overrides(assets, "eval.grader=answer_is")  # the HF engine checking each token's text
+    res = probe.run_probe(None, overrides, tmp_path / "p", limit=2, progress=False, control_limit=1)
+    assert res["cut"]["sampled"]["responses"] == 2
+    res.update(name="cut", command="opsd probe", wall_s=12.0, load_before=0.1, load_after=0.9, engine="hf")
+    (tmp_path / "run.json").write_text(json.dumps(res))
+    render = (
+        "import json, sys; sys.path.insert(0, 'bench'); import probe_speed; "
+        f"print(probe_speed.render([json.load(open({str(tmp_path / 'run.json')!r}))], 'today'))"
+    )
+    shown = subprocess.run([sys.executable, "-c", render], capture_output=True, text=True, cwd=root)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    row = next(line for line in shown.stdout.splitlines() if line.startswith("| cut |"))
+    assert "0 min 12 s (met)" in row and " of 1 |" in row and row.endswith(f"| {res['verdict']} |")

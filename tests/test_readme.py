@@ -1,5 +1,5 @@
-"""The commands the README and docs/*.md show, each run on a tiny offline model, or named with the
-test that runs it on one.
+"""The commands the README, docs/*.md and docs/studies/*.md show, each run on a tiny offline model, or
+named with the test that runs it on one; the links of the README, docs/results.md and the study pages.
 
 The README's run as written, in order, in a fresh directory: `opsd fetch-model smollm2-135m-instruct`
 is replaced by planting a tiny model under that name in a temporary `$OPSD_HOME` (no network); step
@@ -8,7 +8,9 @@ run the same way, made small (:func:`shrink`): fewer steps, seeds, held-out prob
 HF engine where a config says `rollout.engine: auto` (a vLLM-CPU start takes a minute), the demo on a
 smaller base, and a user's `run.yaml` written from examples/smollm2-math.yaml. Those that need a GPU,
 torchrun, a vLLM server or the paper's model are named with the test that runs them on the tiny model
-(:data:`ELSEWHERE`); installing and testing are not opsd's commands (:data:`NOT_OPSD`).
+(:data:`ELSEWHERE`); installing and testing are not opsd's commands (:data:`NOT_OPSD`). A command shown
+in part (`...` and a note in parentheses for the arguments it leaves out) runs its shown part
+(:func:`shown_part`).
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from demo_small import small_demo_settings
 from docs_text import heading_anchors, shown_commands
 
 from opsd.cli import main
+from opsd.compare.plan import METHODS
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = sorted((ROOT / "docs").glob("*.md"))
+DOCS = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "studies").glob("*.md"))
 SKIP = {"fetch-model": "replaced by a planted tiny model"}
 # Commands another test runs on a tiny model, by how they begin: that test, and why not here.
 ELSEWHERE = {
@@ -90,19 +93,37 @@ def test_heading_anchors_follow_githubs_rule():
     assert memory == {"train-step-memory-benchstep_memorypy"}
 
 
-def test_the_readmes_links_lead_somewhere():
-    """Every relative link of the README names a file of the repository, and its #anchor a heading there."""
-    text = (ROOT / "README.md").read_text()
-    links = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert any(link.startswith("docs/results.md#") for link in links)
-    for link in links:
+def broken_links(page: Path) -> list[str]:
+    """The relative links of a Markdown page (from its own folder; `#anchor` alone is the page itself)
+    that name no file of the repository, or no heading of the file for their #anchor."""
+    text, broken = page.read_text(), []
+    for link in re.findall(r"\]\(([^)\s]+)\)", text):
         if re.match(r"[a-z]+://", link):
             continue
         path, _, anchor = link.partition("#")
-        target = ROOT / path
-        assert target.exists(), f"README links to {path}, which does not exist"
-        if anchor and target.suffix == ".md":
-            assert anchor in heading_anchors(target.read_text()), f"{path} has no heading for #{anchor}"
+        target = page.parent / path if path else page
+        if not target.exists():
+            broken.append(f"{link}: no such file")
+        elif anchor and target.suffix == ".md" and anchor not in heading_anchors(target.read_text()):
+            broken.append(f"{link}: no heading for #{anchor}")
+    return broken
+
+
+def test_the_readmes_links_lead_somewhere():
+    """Every relative link of the README names a file of the repository, and its #anchor a heading there."""
+    links = re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text())
+    assert any(link.startswith("docs/results.md#") for link in links)
+    assert any(link.startswith("docs/studies/") for link in links)
+    assert not broken_links(ROOT / "README.md"), broken_links(ROOT / "README.md")
+
+
+def test_the_results_and_study_links_lead_somewhere():
+    """docs/results.md links each study page, and the pages link one another and results.md's sections:
+    each link names a file and its #anchor a heading there."""
+    pages = [ROOT / "docs" / "results.md", *sorted((ROOT / "docs" / "studies").glob("*.md"))]
+    assert len(pages) > 4
+    broken = {p.name: b for p in pages if (b := broken_links(p))}
+    assert not broken, broken
 
 
 @pytest.fixture
@@ -158,15 +179,20 @@ def test_readme_commands_run_as_written(tiny_home, capsys):
 
 
 def docs_commands() -> list[tuple[str, list[str]]]:
-    """Every command of docs/*.md's shell blocks, with its file's name."""
-    return [(path.name, argv) for path in DOCS for argv in shown_commands(path.read_text())]
+    """Every command of docs/*.md's and docs/studies/*.md's shell blocks, with its file's path under docs/."""
+    return [
+        (path.relative_to(ROOT / "docs").as_posix(), argv)
+        for path in DOCS
+        for argv in shown_commands(path.read_text())
+    ]
 
 
 def test_every_docs_command_runs_here_or_in_a_named_test():
     """Each command is opsd's and run by :func:`test_docs_commands_run_on_the_tiny_model`, or named in
     :data:`ELSEWHERE` with a test that exists, or not opsd's (:data:`NOT_OPSD`)."""
     commands = docs_commands()
-    assert {"demo.md", "training.md", "results.md", "reproduce.md", "vllm.md"} <= {f for f, _ in commands}
+    shown = {"demo.md", "training.md", "reproduce.md", "vllm.md", "studies/arith.md", "studies/gsm8k.md"}
+    assert shown | {"studies/probe.md", "studies/facts.md"} <= {f for f, _ in commands}
     for name, argv in commands:
         where = elsewhere(argv)
         if where:
@@ -178,9 +204,33 @@ def test_every_docs_command_runs_here_or_in_a_named_test():
     assert elsewhere(["opsd", "train", "--config", "examples/smollm2-math.yaml"]) is None
 
 
+def shown_part(argv: list[str]) -> list[str]:
+    """The part of a command a doc shows: `...` and the note in parentheses after it stand for arguments
+    it leaves out, so they are dropped, and `--methods` keeps the methods the shown part has (its
+    `--variant` names and `opsd compare`'s own :data:`~opsd.compare.plan.METHODS`)."""
+    if "..." not in argv:
+        return argv
+    i = j = argv.index("...")
+    if j + 1 < len(argv) and argv[j + 1].startswith("("):
+        j = next(k for k in range(j + 1, len(argv)) if argv[k].endswith(")"))
+    out = argv[:i] + argv[j + 1 :]
+    names = set(METHODS) | {v.split("=", 1)[0] for k, v in zip(out, out[1:]) if k == "--variant"}
+    return [
+        ",".join(m for m in a.split(",") if m in names) if before == "--methods" else a
+        for before, a in zip(["", *out], out)
+    ]
+
+
+def test_a_command_shown_in_part_runs_its_shown_part():
+    argv = "opsd compare --variant a_1=opsd:lr=1 ... (one --variant per lr) --methods a_1,a_2,sft".split()
+    assert shown_part(argv) == "opsd compare --variant a_1=opsd:lr=1 --methods a_1,sft".split()
+    assert shown_part(["opsd", "train"]) == ["opsd", "train"]
+
+
 def shrink(argv: list[str], cache: Path) -> list[str]:
     """A docs command at the tiny model's size: at most 2 steps (a training run's too), 1 tuning step,
-    its first seed, 2 held-out problems of 8 tokens, the HF engine, a demo cache under the test's directory."""
+    its first seed, 2 held-out problems of 8 tokens, the HF engine, a demo cache under the test's
+    directory."""
     small = {"--steps": "2", "--eval-every": "2", "--tune-steps": "1", "--limit": "2"}
     out = []
     for i, a in enumerate(argv):
@@ -223,7 +273,7 @@ def test_docs_commands_run_on_the_tiny_model(tiny_home, monkeypatch, capsys):
     for name, argv in docs_commands():
         if argv[0] != "opsd" or argv[1] in SKIP or elsewhere(argv) or not shared_here(argv):
             continue
-        argv = shrink(argv, tiny_home / "demo-cache")
+        argv = shrink(shown_part(argv), tiny_home / "demo-cache")
         code = main(argv[1:])
         err = capsys.readouterr().err
         assert code == 0, f"{name}: `{' '.join(argv)}` exited {code}:\n{err[-2000:]}"

@@ -28,7 +28,7 @@ from process_tree import descendants, gone  # noqa: E402
 
 from opsd import Trainer  # noqa: E402
 from opsd.errors import TrainingError  # noqa: E402
-from opsd.rollout.server import probe_tolerance  # noqa: E402
+from opsd.rollout.remote import probe_tolerance  # noqa: E402
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

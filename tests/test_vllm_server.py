@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from opsd import Trainer
 from opsd.errors import TrainingError, UserError
 from opsd.rollout import HFEngine, SamplingParams
-from opsd.rollout.server import ServerError, probe_tolerance
+from opsd.rollout.remote import ServerError, probe_tolerance
 
 
 class FakeServer:
@@ -369,7 +369,7 @@ def test_probe_tolerance_follows_the_two_roundings():
 def _clock_that_sleeps(monkeypatch, on_sleep=None) -> list[float]:
     """The wait's clock and sleep, replaced: sleeping advances the clock at once, and ``on_sleep`` runs
     before each sleep. Returns the list of sleeps."""
-    import opsd.rollout.server as vs
+    import opsd.rollout.remote as vs
 
     now, slept = [0.0], []
 

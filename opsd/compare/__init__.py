@@ -16,7 +16,7 @@ from ``OUT/tune/grpo.json`` when `opsd compare --tune grpo` has chosen them (by 
 seeds that are not reported), and from the config otherwise; GRPO + distillation's from
 ``OUT/tune/mixed.json`` (`--tune mixed`), and GRPO's otherwise.
 
-The report (compare.md, :func:`format_table`): per method and for the base model, strict accuracy
+The report (compare.md, :func:`format_comparison_table`): per method and for the base model, strict accuracy
 (eval.grader) with a 95% Wilson interval over the held-out problems, lenient accuracy
 (eval.lenient_grader), mean response length, truncation, repetition (:func:`opsd.metrics.repetition`
 over words), held-out divergence and the cost of reaching its best evaluation; underneath, the
@@ -34,7 +34,7 @@ from opsd.compare.cli import (
     run_compare_command,
 )
 from opsd.compare.methods import (
-    _arm_config,
+    arm_config,
     ceiling_context,
     run_trainer_method,
     teacher_ceiling,
@@ -61,7 +61,7 @@ from opsd.compare.records import (
     MethodRun,
 )
 from opsd.compare.report import (
-    format_table,
+    format_comparison_table,
     paired_interval,
     plot_compare,
     wilson,
@@ -86,14 +86,14 @@ __all__ = [
     "NOTES",
     "TUNED",
     "Variant",
-    "_arm_config",
+    "arm_config",
     "add_compare_arguments",
     "ceiling_context",
     "check_group_size",
     "claim_dir",
     "default_grpo",
     "distill_coefficient",
-    "format_table",
+    "format_comparison_table",
     "label",
     "method_overrides",
     "no_signal",

@@ -8,12 +8,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from opsd.compare.plan import Budget
-from opsd.compare.records import EvalPoint, MethodRun, _point_text, _read_points, _write_points
+from opsd.compare.records import EvalPoint, MethodRun, point_text, read_points, write_points
 from opsd.errors import UserError
 from opsd.metrics import mean, repetition, say
+from opsd.rundir import StopReason
 
 
-def _arm_config(config: Path | None, overrides: list[str], extra: list[str]):
+def arm_config(config: Path | None, overrides: list[str], extra: list[str]):
     from opsd.config import load_config
 
     return load_config(config, [*overrides, *extra])
@@ -47,20 +48,20 @@ def run_trainer_method(
         f"logging.progress={str(progress).lower()}",
         "logging.step_lines=false",
     ]
-    cfg = _arm_config(config, overrides, [*extra, *common])
+    cfg = arm_config(config, overrides, [*extra, *common])
     log = run_dir / "compare_eval.jsonl"
     # Resume only what has its base evaluation; anything else in the run directory starts over.
-    resume = latest_checkpoint(run_dir) is not None and bool(_read_points(log))
+    resume = latest_checkpoint(run_dir) is not None and bool(read_points(log))
     trainer = Trainer(cfg, resume=resume, overwrite=not resume)
     trainer.progress_desc = f"{method} seed {seed}"
     run = MethodRun(method, seed, lr=cfg.optim.lr)
-    run.points = [p for p in _read_points(log) if p.step <= trainer.step_num] if resume else []
+    run.points = [p for p in read_points(log) if p.step <= trainer.step_num] if resume else []
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.n
     lenient = cfg.eval.lenient_grader
     try:
         if not run.points:
             run.points.append(base or _with_sets(trainer, _evaluate(trainer, lenient, 0, 0, 0.0), []))
-            _write_points(log, run.points)
+            write_points(log, run.points)
         if ceiling is not None and not ceiling.is_file():
             ceiling.write_text(json.dumps(teacher_ceiling(trainer, cfg), indent=2))
         while True:
@@ -72,8 +73,8 @@ def run_trainer_method(
                 scored = scored if cfg.reads_teacher() else 0  # GRPO alone and SFT have no teacher
                 point = _evaluate(trainer, lenient, trainer.step_num, tokens, seconds, scored)
                 run.points.append(_with_sets(trainer, point, run.points))
-                _write_points(log, run.points)
-                say(progress, f"seed {seed} {method} step {trainer.step_num}: {_point_text(run.final)}")
+                write_points(log, run.points)
+                say(progress, f"seed {seed} {method} step {trainer.step_num}: {point_text(run.final)}")
             if guarded:  # a guard (config.guard) ended the method: its last evaluation is at the stop
                 run.stopped_by = f"{guarded} at step {trainer.step_num}"
                 say(True, f"seed {seed} {method}: {run.stopped_by}")
@@ -125,10 +126,10 @@ def _sft_tokens(run_dir: Path) -> int:
     return sum(len(json.loads(line)["token_ids"]) for line in path.read_text().splitlines() if line.strip())
 
 
-def _guard_stop(trainer) -> str | None:
-    """The guard that stopped the trainer's last ``train()`` (its config key), or None."""
+def _guard_stop(trainer) -> StopReason | None:
+    """The guard that stopped the trainer's last ``train()`` (``str()``: its config key), or None."""
     why = trainer.stop.requested
-    return why if isinstance(why, str) and why.startswith("guard.") else None
+    return why if why is not None and why.kind == "guard" else None
 
 
 def _spent(metrics_path: Path, responses_per_step: int) -> tuple[int, float, int]:

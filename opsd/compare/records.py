@@ -40,22 +40,22 @@ class MethodRun:
         return self.points[-1]
 
 
-def _write_points(path: Path, points: list[EvalPoint]) -> None:
+def write_points(path: Path, points: list[EvalPoint]) -> None:
     path.write_text("".join(json.dumps(asdict(p)) + "\n" for p in points))
 
 
-def _read_points(path: Path) -> list[EvalPoint]:
+def read_points(path: Path) -> list[EvalPoint]:
     if not path.is_file():
         return []
     return [EvalPoint(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _read_run(path: Path) -> MethodRun:
+def read_run(path: Path) -> MethodRun:
     d = json.loads(path.read_text())
     points = [EvalPoint(**p) for p in d.pop("points")]
     return MethodRun(points=points, **d)
 
 
-def _point_text(p: EvalPoint) -> str:
+def point_text(p: EvalPoint) -> str:
     div = f", held-out divergence {p.divergence:.4f}" if p.divergence is not None else ""
     return f"held-out accuracy {100 * p.accuracy:.1f}%{div}"

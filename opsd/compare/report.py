@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from opsd.compare.plan import label
+from opsd.compare.plan import Variant, label
 from opsd.metrics import mean
 
 
@@ -96,7 +96,7 @@ def _cells(ps: list[dict]) -> list[str | None]:
     ]
 
 
-def format_table(result: dict) -> str:
+def format_comparison_table(result: dict) -> str:
     """Per method (the base model first): strict accuracy with its 95% Wilson interval over problems,
     lenient accuracy, gain over the base model, mean response length, truncation and repetition,
     held-out divergence, and the cost of reaching its best evaluation (step, generated tokens, tokens
@@ -287,6 +287,52 @@ def plot_compare(path: Path, result: dict) -> Path:
     by_step.set(xlabel="optimizer step", ylabel="held-out accuracy", title="accuracy vs steps")
     by_tokens.set(xlabel="generated tokens", ylabel="held-out accuracy", title="accuracy vs generated tokens")
     by_step.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _family(result: dict, method: str) -> str:
+    """A run's method without its learning rate: the runs of one method at several rates are one
+    frontier."""
+    variant = result.get("variants", {}).get(method)
+    if not variant:
+        return label(result, method)
+    keys = tuple(k for k in variant["overrides"] if not k.startswith("optim.lr="))
+    return Variant(method, variant["method"], keys).label() if keys else label(result, variant["method"])
+
+
+def plot_frontier(path: Path, result: dict) -> Path | None:
+    """Each run at the step it picked on eval.path: the first set's accuracy against the drift set's
+    accuracy and against its drift, one colour per method (its runs at several learning rates are its
+    frontier), the base model as a star. None without a set that has a drift."""
+    names = _set_names(result)
+    first = result["runs"][0]["points"][0]["sets"] if names else {}
+    kept = [n for n in names if first[n].get("drift") is not None]
+    if not names or not kept:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    y_set, x_set = names[0], kept[0]
+    fig, (by_acc, by_drift) = plt.subplots(1, 2, figsize=(11, 4.5))
+    families: dict[str, list[dict]] = {}
+    for r in result["runs"]:
+        families.setdefault(_family(result, r["method"]), []).append(_best(r["points"]))
+    for name, points in families.items():
+        got = [p["sets"] for p in points if p.get("sets")]
+        ys = [100 * g[y_set]["accuracy"] for g in got]
+        by_acc.scatter([100 * g[x_set]["accuracy"] for g in got], ys, label=name)
+        by_drift.scatter([g[x_set]["drift"] for g in got], ys, label=name)
+    base = first
+    by_acc.scatter([100 * base[x_set]["accuracy"]], [100 * base[y_set]["accuracy"]], marker="*", s=150, c="k")
+    by_drift.scatter([0.0], [100 * base[y_set]["accuracy"]], marker="*", s=150, c="k", label="base model")
+    by_acc.set(xlabel=f"{x_set} accuracy (%)", ylabel=f"{y_set} accuracy (%)", title="learned vs kept")
+    by_drift.set(xlabel=f"{x_set} drift, KL(initial || model) per token", title="learned vs drift")
+    by_drift.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from opsd.compare.methods import _arm_config, ceiling_context, run_trainer_method
+from opsd.compare.methods import arm_config, ceiling_context, run_trainer_method
 from opsd.compare.plan import (
     MARKER,
     METHODS,
@@ -21,8 +21,8 @@ from opsd.compare.plan import (
     distill_coefficient,
     method_overrides,
 )
-from opsd.compare.records import MethodRun, _read_run
-from opsd.compare.report import format_table, plot_compare
+from opsd.compare.records import MethodRun, read_run
+from opsd.compare.report import format_comparison_table, plot_compare, plot_frontier
 from opsd.compare.tuning import read_tuned
 from opsd.errors import UserError
 from opsd.metrics import say
@@ -57,7 +57,7 @@ def run_compare(
     data and base model differ per seed). ``grpo_lr``: GRPO's learning rate when not tuned (default
     the config's)."""
     per_seed = overrides if callable(overrides) else (lambda seed: overrides)
-    cfg = _arm_config(config, per_seed(seeds[0]), [])
+    cfg = arm_config(config, per_seed(seeds[0]), [])
     named = {v.name: v for v in variants}
     _check_methods(cfg, methods, named)
     steps = steps or cfg.optim.max_steps
@@ -91,7 +91,7 @@ def run_compare(
             done = run_dir / "compare_method.json"
             want = ceiling_path if ceiling and not ceiling_path.is_file() else None
             if done.is_file():  # finished earlier: read back, not rerun
-                run = _read_run(done)
+                run = read_run(done)
             else:
                 run = run_trainer_method(
                     method, seed, config, overrides, extras[method], run_dir, budget, base, progress, want
@@ -138,7 +138,7 @@ def _check_method_config(config: Path | None, overrides: list[str], method: str,
     """One method's config as it will train, refused in one line naming the method before any trains
     (not hours in, when its turn comes)."""
     try:
-        return _arm_config(config, overrides, extra)
+        return arm_config(config, overrides, extra)
     except UserError as err:
         raise UserError(f"--methods {method}: {err}") from None
 
@@ -194,8 +194,11 @@ def _grpo_settings(
 def _write_report(out: Path, result: dict) -> dict:
     """compare.json (the marker, now holding the result), compare.md and compare.png; prints the table."""
     (out / MARKER).write_text(json.dumps(result, indent=2))
-    table = format_table(result)
+    table = format_comparison_table(result)
     (out / "compare.md").write_text(table + "\n")
     result["plot"] = str(plot_compare(out / "compare.png", result))
+    frontier = plot_frontier(out / "frontier.png", result)
+    if frontier is not None:
+        result["frontier_plot"] = str(frontier)
     print(table)
     return result

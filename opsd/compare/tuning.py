@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from opsd.compare.methods import _arm_config
+from opsd.compare.methods import arm_config
 from opsd.compare.plan import (
     TUNED,
     Budget,
@@ -78,7 +78,7 @@ def run_tune(
     per_seed = overrides if callable(overrides) else (lambda seed: overrides)
     if method not in TUNED:
         raise UserError(f"--tune {method}: choose from {list(TUNED)}")
-    cfg = _arm_config(config, per_seed(tune_seeds[0]), [])
+    cfg = arm_config(config, per_seed(tune_seeds[0]), [])
     budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, steps)
     coef = distill_coefficient(cfg, distill_coef)
     distill = [f"grpo.distill_coef={coef}"] if method == "mixed" else []
@@ -165,7 +165,7 @@ def _tune_run(
         f"logging.progress={str(progress).lower()}",
         "logging.step_lines=false",
     ]
-    trainer = Trainer(_arm_config(config, overrides, extra), overwrite=True)
+    trainer = Trainer(arm_config(config, overrides, extra), overwrite=True)
     try:
         history = trainer.train()
     finally:

@@ -111,7 +111,7 @@ def _run_compare(args: argparse.Namespace) -> int:
         "control B (another problem's solution)",
         file=sys.stderr,
     )
-    r = compare.run_compare(s, seeds, out, cache=args.cache, tune_steps=args.tune_grpo)
+    r = compare.run_demo_compare(s, seeds, out, cache=args.cache, tune_steps=args.tune_grpo)
     print()
     print(compare.format_compare_table(r))
     print(f"plot: {r['plot']}")

@@ -42,7 +42,7 @@ def grpo_prompts(s: DemoSettings) -> int:
     return max(1, s.prompts_per_step // s.grpo_n)
 
 
-def run_compare(
+def run_demo_compare(
     s: DemoSettings,
     seeds: list[int],
     out: Path,

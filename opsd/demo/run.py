@@ -25,7 +25,7 @@ from opsd.metrics import say
 COMPARE_STEPS = DemoSettings.opsd_steps
 
 
-def heldout_accuracy(model: Any, tok: Any, rows: list[dict], digits: int, *, with_solution: bool) -> float:
+def demo_accuracy(model: Any, tok: Any, rows: list[dict], digits: int, *, with_solution: bool) -> float:
     """Greedy exact-match accuracy, through `opsd eval`'s loop with the HF engine and the chat template
     training uses. ``with_solution``: the teacher's prompt (problem + worked solution) instead."""
     from opsd.data import Example
@@ -36,7 +36,7 @@ def heldout_accuracy(model: Any, tok: Any, rows: list[dict], digits: int, *, wit
         tok,
         [Example(r["problem"], r["solution"], r["answer"], i) for i, r in enumerate(rows)],
         prompts=[prompt_ids(tok, r, with_solution=with_solution) for r in rows],
-        grader=task.grade,
+        grader=task.grade_digits,
         k=1,
         temperature=0.0,
         top_p=1.0,
@@ -83,8 +83,8 @@ def prepare(s: DemoSettings, cache: Path, progress: bool) -> Prepared:
     heldout = split["heldout"]
     say(progress, f"demo: evaluating the base model on {len(heldout)} held-out problems")
     tok, model = load_tokenizer(str(base)), load_model(str(base))
-    before = heldout_accuracy(model, tok, heldout, s.digits, with_solution=False)
-    teacher = heldout_accuracy(model, tok, heldout, s.digits, with_solution=True)
+    before = demo_accuracy(model, tok, heldout, s.digits, with_solution=False)
+    teacher = demo_accuracy(model, tok, heldout, s.digits, with_solution=True)
     read = f"student {100 * before:.1f}% (problem only), teacher {100 * teacher:.1f}% (with solution)"
     say(progress, f"demo: {read}")
     return Prepared(base, data_dir, split["train"], heldout, before, teacher, t_base)
@@ -138,9 +138,9 @@ def heldout_overrides(s: DemoSettings, p: Prepared, progress: bool, *, control: 
     train = p.data_dir / "train.jsonl"
     return [
         *train_overrides(s, p.base, train, p.data_dir, control=control, progress=progress),
-        "grpo.grader=opsd.demo.task:grade",
+        "grpo.grader=opsd.demo.task:grade_digits",
         f"eval.path={p.data_dir / 'heldout.jsonl'}",
-        "eval.grader=opsd.demo.task:grade",
+        "eval.grader=opsd.demo.task:grade_digits",
         "eval.k=1",
         "eval.temperature=0",
         f"eval.max_new_tokens={task.max_response_tokens(s.digits)}",

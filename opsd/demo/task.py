@@ -91,7 +91,7 @@ def make_splits(seed: int, digits: int, n_sft: int, n_train: int, n_heldout: int
     return out
 
 
-def final_answer(response: str | None) -> str | None:
+def final_digits(response: str | None) -> str | None:
     """The digits after the last ``so `` that ends the response, or None if it does not end that way."""
     if not isinstance(response, str):
         return None
@@ -99,10 +99,10 @@ def final_answer(response: str | None) -> str | None:
     return m.group(1) if m else None
 
 
-def grade(response: str | None, answer: str) -> Grade:
+def grade_digits(response: str | None, answer: str) -> Grade:
     """Exact match of the final answer (fixed width, leading zero included); the working is not graded.
 
     An `opsd.grading.Grader`, so `opsd eval`'s loop (and later a reward) can use it.
     """
-    got = final_answer(response)
+    got = final_digits(response)
     return Grade(correct=got is not None and got == str(answer).strip(), extracted=got, error=None)

@@ -16,7 +16,7 @@ from opsd.eval.cli import (
     add_eval_arguments,
     evaluate,
     flag_overrides,
-    format_table,
+    format_eval_table,
     run_eval,
     write_outputs,
 )
@@ -31,7 +31,7 @@ __all__ = [
     "evaluate_model",
     "evaluate_sharded",
     "flag_overrides",
-    "format_table",
+    "format_eval_table",
     "run_eval",
     "write_outputs",
 ]

@@ -62,7 +62,7 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
-def format_table(results: dict[str, EvalResult]) -> str:
+def format_eval_table(results: dict[str, EvalResult]) -> str:
     """One row per model, so base and trained checkpoints read side by side."""
     k = next(iter(results.values())).k
     head = [
@@ -443,6 +443,6 @@ def run_eval(args: argparse.Namespace) -> int:
         grader=lambda r, g: as_grade(grader(r, g)),
         cpu=cfg.cpu,
     )
-    print(format_table(results))
+    print(format_eval_table(results))
     print(f"wrote {out}/summary.json and per-item JSONL")
     return 0

@@ -9,11 +9,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from opsd.data import Example, make_sample
+from opsd.data import Example, make_sample, student_prompt_ids
 from opsd.distributed import all_reduce_sum, rank_seed
 from opsd.eval.loop import EvalResult, evaluate_model, evaluate_sharded
+from opsd.eval.sets import HeldoutSet, SetResult, artifact_share, build_reference, evaluate_set, logits_of
 from opsd.loss import LossStats
 from opsd.microbatch import forward_backward
+from opsd.rollout.base import SamplingParams
 from opsd.teacher import Teacher
 
 
@@ -103,3 +105,40 @@ def heldout_divergence(
         model.train(training)
     total = LossStats.from_tensor(all_reduce_sum(stats.as_tensor()))
     return {"loss": float(all_reduce_sum(loss_sum)), **total.means()}
+
+
+__all__ = [
+    "EvalResult",
+    "SetResult",
+    "artifact_share",
+    "drift_references",
+    "evaluate_set",
+    "heldout_accuracy",
+    "heldout_divergence",
+    "logits_of",
+    "solution_accuracy",
+]
+
+
+def drift_references(sets: list[HeldoutSet], engine, tokenizer, logits: Callable, cfg, rank: int) -> None:
+    """Each drift set's reference (:func:`opsd.eval.sets.build_reference`): the initial model's greedy
+    answers at eval.max_new_tokens to its student prompts, as the held-out evaluation builds them, and
+    its log-probs there; call before any step or resume moves the weights."""
+    d = cfg.data
+
+    def greedy(prompts: list[list[int]]) -> list:
+        params = SamplingParams(temperature=0.0, max_new_tokens=cfg.eval.max_new_tokens, seed=cfg.seed)
+        engine.wake()
+        completions = engine.generate(prompts, 1, params)
+        engine.sleep()
+        return completions
+
+    for s in sets:
+        if s.drift:
+            prompts = [
+                student_prompt_ids(
+                    tokenizer, ex.problem, instruction=d.instruction, enable_thinking=d.student_thinking
+                )[0]
+                for ex in s.examples
+            ]
+            s.reference = build_reference(s, greedy, prompts, logits, cfg, rank)

@@ -19,8 +19,10 @@ from tqdm import tqdm
 
 from opsd.data import DEFAULT_INSTRUCTION, Example, student_prompt_ids
 from opsd.errors import UserError
-from opsd.grading import Grader, grade, normalize_gold, pass_at_k
+from opsd.eval.cut import generate_to_answer
+from opsd.grading import AnswerEnd, Grader, grade, normalize_gold, pass_at_k
 from opsd.rollout import HFEngine, SamplingParams
+from opsd.rollout.base import end_token_ids
 
 
 @dataclass
@@ -88,6 +90,7 @@ def evaluate_model(
     progress: bool = False,
     grader: Grader = grade,
     prompts: list[list[int]] | None = None,
+    answer_end: AnswerEnd | None = None,
 ) -> EvalResult:
     """Generate k samples per example with `engine` (default: an HFEngine on `model`) and grade them.
 
@@ -116,17 +119,9 @@ def evaluate_model(
     t0 = time.time()
     prompts_truncated = 0
     if prompts is None:
-        prompts = []
-        for ex in examples:
-            ids, truncated = student_prompt_ids(
-                tokenizer,
-                ex.problem,
-                instruction=instruction,
-                enable_thinking=enable_thinking,
-                max_len=max_prompt_len,
-            )
-            prompts.append(ids)
-            prompts_truncated += truncated
+        prompts, prompts_truncated = _student_prompts(
+            tokenizer, examples, instruction, enable_thinking, max_prompt_len
+        )
 
     # Chunks of batch_size prompts: progress for the bar, and a full batch for every engine.
     items: list[dict[str, Any]] = []
@@ -143,7 +138,7 @@ def evaluate_model(
         params = SamplingParams(
             temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed + start
         )
-        completions = engine.generate(chunk, k, params)
+        completions = _generate(engine, tokenizer, model, chunk, k, params, answer_end)
         for j in range(len(chunk)):
             comps = completions[j * k : (j + 1) * k]
             if len(comps) != k or any(c.prompt_index != j for c in comps):
@@ -183,6 +178,44 @@ def evaluate_model(
         },
         items=items,
     )
+
+
+def _student_prompts(
+    tokenizer: Any,
+    examples: list[Example],
+    instruction: str,
+    enable_thinking: bool | None,
+    max_prompt_len: int | None,
+) -> tuple[list[list[int]], int]:
+    """The student prompts of ``examples``, as training builds them, and how many were cut to length."""
+    prompts, truncated = [], 0
+    for ex in examples:
+        ids, cut = student_prompt_ids(
+            tokenizer,
+            ex.problem,
+            instruction=instruction,
+            enable_thinking=enable_thinking,
+            max_len=max_prompt_len,
+        )
+        prompts.append(ids)
+        truncated += cut
+    return prompts, truncated
+
+
+def _generate(
+    engine: Any,
+    tokenizer: Any,
+    model: Any,
+    chunk: list[list[int]],
+    k: int,
+    params: SamplingParams,
+    answer_end: AnswerEnd | None,
+) -> list:
+    """``engine.generate``, or with ``answer_end`` each response stopped once its answer is complete."""
+    if answer_end is None:
+        return engine.generate(chunk, k, params)
+    ends = set(end_token_ids(tokenizer, model, []))
+    return generate_to_answer(engine, tokenizer, chunk, k, params, answer_end, ends)
 
 
 def _grade_item(

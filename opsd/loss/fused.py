@@ -8,8 +8,8 @@ so no autograd graph over ``[N, V]`` exists. Two kernels turn a chunk of tempere
 The gradient with respect to the student logits ``z_s = T a`` is that divided by ``T``.
 
 Precision against the float64 oracle on the same input values (the bounds ``tests/test_loss.py``
-holds, each with its error model; measured figures: docs/results.md, "Loss precision against the
-float64 oracle"):
+holds, each with its error model; measured figures: docs/studies/precision.md, "Loss precision
+against the float64 oracle"):
 
 * float32 products (the default): where student and teacher nearly agree, ``S - P`` subtracts two
   nearly equal numbers, so a kept token's gradient carries the float32 rounding of its logits
@@ -30,11 +30,11 @@ import torch
 from torch import Tensor
 
 from opsd.loss.overlap import topk_overlap_mass
-from opsd.loss.reference import compute_dtype, kernel_precision, token_scale
+from opsd.loss.reference import kernel_precision, token_scale, working_dtype
 from opsd.loss.spec import DistillSpec, LossStats
 
 
-def _log_probs(
+def chunk_log_probs(
     a: Tensor,
     b: Tensor,
     spec: DistillSpec,
@@ -48,7 +48,7 @@ def _log_probs(
 
     Over the full vocabulary they are written into ``a`` and ``b``, which the caller does not read
     again: two ``[c, V]`` blocks fewer, the same values as ``log_softmax``; the entropies are left to
-    the kernel, which has ``S`` and ``P`` at hand (:func:`_entropies`). For ``mode="topk"`` they are
+    the kernel, which has ``S`` and ``P`` at hand (:func:`chunk_entropies`). For ``mode="topk"`` they are
     over the teacher's top-k (with its indices), and the entropies, over the full vocabulary, are
     taken here.
 
@@ -64,7 +64,7 @@ def _log_probs(
         idx = b.topk(spec.topk, dim=-1).indices
         if with_stats:
             full_s, full_p = a.log_softmax(-1), b.log_softmax(-1)
-            _entropies(stats, full_s, full_p)
+            chunk_entropies(stats, full_s, full_p)
             stats.overlap = topk_overlap_mass(full_s, full_p).sum()
         return a.gather(-1, idx).log_softmax(-1), b.gather(-1, idx).log_softmax(-1), idx, stats
     log_s = torch.log_softmax(a, -1, out=a)
@@ -76,7 +76,7 @@ def _log_probs(
     return log_s, log_p, None, stats
 
 
-def _entropies(
+def chunk_entropies(
     stats: LossStats, log_s: Tensor, log_p: Tensor, s: Tensor | None = None, p: Tensor | None = None
 ) -> None:
     """The chunk's summed entropies, from ``S`` and ``P`` when the kernel has them (no second ``exp``)."""
@@ -202,16 +202,16 @@ def _divergence_chunk(
 
     ``L_n = JSD_beta`` between ``S = softmax(a)`` and ``P = softmax(b)`` (over the teacher's top-k
     for ``mode="topk"``; the other entries get no gradient), clipped per ``spec.clip_mode``. The
-    sampled tokens ``y`` are read only to fill ``lp`` (:func:`_log_probs`).
+    sampled tokens ``y`` are read only to fill ``lp`` (:func:`chunk_log_probs`).
     """
-    log_s, log_p, idx, stats = _log_probs(a, b, spec, with_stats, y, lp)
+    log_s, log_p, idx, stats = chunk_log_probs(a, b, spec, with_stats, y, lp)
     if spec.end_ids:
         _floor_end(log_s, log_p, spec.end_ids)
     beta, entry = spec.beta, spec.clip_mode == "entry"
     s = log_s.exp()
     p = log_p.exp() if beta != 1.0 else None
     if with_stats and idx is None:
-        _entropies(stats, log_s, log_p, s, p)
+        chunk_entropies(stats, log_s, log_p, s, p)
     # In place where a block is not read again: the chunk's peak memory is its count of [c, V] blocks.
     if beta == 0.0:  # ell = P (log P - log S)
         d = log_p.sub_(log_s)
@@ -255,7 +255,7 @@ def _divergence_chunk(
 # Sampled-token kernel (mode "sampled").
 
 
-def _grad_sampled(s: Tensor, y: Tensor, c: Tensor) -> Tensor:
+def grad_sampled(s: Tensor, y: Tensor, c: Tensor) -> Tensor:
     """``dL/da`` for the surrogate ``L = -A log S(y)`` with the advantage ``A`` a constant; overwrites ``s``.
 
     ``d log S(y) / da = onehot(y) - S``, so ``dL/da = A (S - onehot(y))``; ``c = A w / T`` per row
@@ -280,9 +280,9 @@ def _sampled_chunk(
     With ``A = log P(y) - log S(y)`` held constant, ``L = -A log S(y)``; its expectation over
     ``y ~ S`` has the reverse-KL gradient. ``stats.divergence`` sums ``log S(y) - log P(y)``.
     """
-    log_s, log_p, _, stats = _log_probs(a, b, spec, with_stats, y, lp)
+    log_s, log_p, _, stats = chunk_log_probs(a, b, spec, with_stats, y, lp)
     if with_stats:
-        _entropies(stats, log_s, log_p)
+        chunk_entropies(stats, log_s, log_p)
     y = y[:, None]
     ls_y = log_s.gather(-1, y)
     adv = log_p.gather(-1, y) - ls_y
@@ -291,7 +291,7 @@ def _sampled_chunk(
     loss = (rows * w).sum()
     if not need_grad:
         return loss, None, stats
-    return loss, _grad_sampled(log_s.exp_(), y, adv * w[:, None] * (1.0 / spec.temperature)), stats
+    return loss, grad_sampled(log_s.exp_(), y, adv * w[:, None] * (1.0 / spec.temperature)), stats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ KERNELS = {"jsd": _divergence_chunk, "topk": _divergence_chunk, "sampled": _samp
 # ---------------------------------------------------------------------------------------------
 
 
-class _PrecomputedGrad(torch.autograd.Function):
+class PrecomputedGrad(torch.autograd.Function):
     """Attach gradients computed in the forward pass, so no graph over [N, V] is kept."""
 
     @staticmethod
@@ -489,7 +489,7 @@ def fused_linear_distill(
     arithmetic stay in float32. Six bf16 products per chunk replace four float32 ones. The loss
     stays within 1e-3 relative for ``jsd`` and ``topk``; ``sampled``'s loss value is a small
     difference of two log-probabilities and loses more. ``tests/test_loss.py`` holds the bounds;
-    docs/results.md has the measured errors.
+    docs/studies/precision.md has the measured errors.
     None (the default) keeps every product in the compute dtype.
 
     ``slab_elements``: the kernels take a chunk's products this many elements (a few rows) at a time,
@@ -505,7 +505,7 @@ def fused_linear_distill(
     if matmul_dtype not in (None, torch.bfloat16):
         raise ValueError(f"matmul_dtype must be None or torch.bfloat16, got {matmul_dtype}")
     n, h = student_hidden.shape
-    dtype = compute_dtype(student_hidden)
+    dtype = working_dtype(student_hidden)
     if matmul_dtype is not None and dtype != torch.float32:
         raise ValueError(
             f"matmul_dtype=torch.bfloat16 needs float32 or bfloat16 inputs, got {student_hidden.dtype}"
@@ -566,7 +566,7 @@ def fused_linear_distill(
     stats.materialize()  # the chunks' statistics, read back once
     if not need_grad:
         return total, stats
-    out = _PrecomputedGrad.apply(
+    out = PrecomputedGrad.apply(
         total,
         student_hidden,
         student_weight,

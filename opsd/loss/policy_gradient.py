@@ -4,7 +4,7 @@ distillation estimator.
 ``L = -sum_n c_n log S(y_n)`` with ``c_n = w_n A_n`` a constant per token (``A`` the group-relative
 advantage of the response the token belongs to, ``w`` the reduction weight). It is the sampled-token
 kernel with the advantage given instead of ``log P(y) - log S(y)``: the gradient with respect to the
-tempered logits is ``c (S - onehot(y))`` (:func:`opsd.loss.fused._grad_sampled`). Rollouts are
+tempered logits is ``c (S - onehot(y))`` (:func:`opsd.loss.fused.grad_sampled`). Rollouts are
 fully on-policy (one optimizer step per rollout batch), so no importance ratio is needed.
 
 Both kernels compute in float32 (float64 for float64 input). A head stored in another dtype (a bf16
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opsd.loss.fused import _entropies, _grad_sampled, _log_probs, _PrecomputedGrad, auto_chunk_size
-from opsd.loss.reference import compute_dtype, kernel_precision
+from opsd.loss.fused import PrecomputedGrad, auto_chunk_size, chunk_entropies, chunk_log_probs, grad_sampled
+from opsd.loss.reference import kernel_precision, working_dtype
 from opsd.loss.spec import DistillSpec, LossStats
 
 
@@ -48,7 +48,7 @@ def fused_linear_policy_gradient(
         raise ValueError(
             f"targets and coef must have shape [{n}], got {tuple(targets.shape)}, {tuple(coef.shape)}"
         )
-    dtype = compute_dtype(hidden)
+    dtype = working_dtype(hidden)
     need_h = torch.is_grad_enabled() and hidden.requires_grad
     need_w = torch.is_grad_enabled() and weight.requires_grad
     w_all, blocks = weight.detach(), _head_rows(weight, dtype)
@@ -67,7 +67,7 @@ def fused_linear_policy_gradient(
         total -= (c * log_s.gather(-1, y)).sum()
         stats.entropy_student = stats.entropy_student - (log_s.exp() * log_s).sum()  # no sync per chunk
         if need_h or need_w:
-            gz = _grad_sampled(log_s.exp_(), y, c * inv_t)
+            gz = grad_sampled(log_s.exp_(), y, c * inv_t)
             if grad_h is not None:
                 grad_h.index_copy_(0, idx, _times_head(gz, w_all, blocks, dtype))
             if grad_w is not None:
@@ -76,7 +76,7 @@ def fused_linear_policy_gradient(
     stats.materialize()
     if not (need_h or need_w):
         return total, stats
-    out = _PrecomputedGrad.apply(
+    out = PrecomputedGrad.apply(
         total,
         hidden,
         weight,
@@ -101,7 +101,7 @@ def token_logprobs(
     The trainer's log-prob of each sampled token, to compare with what the rollout engine reported
     for the same token (``rollout.logprob_check``): the train/inference mismatch.
     """
-    dtype = compute_dtype(hidden)
+    dtype = working_dtype(hidden)
     w, blocks = weight.detach(), _head_rows(weight, dtype)
     out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
     step = chunk_size or auto_chunk_size(weight.shape[0])
@@ -133,7 +133,7 @@ def paired_token_logprobs(
     What a reward-signed objective needs from the teacher (``objective: rlsd``): how much more or less
     likely the teacher finds each sampled token. Rows with weight 0 are not computed and stay NaN.
     """
-    dtype = compute_dtype(student_hidden)
+    dtype = working_dtype(student_hidden)
     ws, s_blocks = student_weight.detach(), _head_rows(student_weight, dtype)
     wt, t_blocks = teacher_weight.detach(), _head_rows(teacher_weight, dtype)
     log_s = torch.full((student_hidden.shape[0],), float("nan"), dtype=dtype, device=student_hidden.device)
@@ -147,8 +147,8 @@ def paired_token_logprobs(
         a = _logits(student_hidden.detach().index_select(0, idx).to(dtype) * inv_t, ws, s_blocks, dtype)
         b = _logits(teacher_hidden.detach().index_select(0, idx).to(dtype) * inv_t, wt, t_blocks, dtype)
         y = targets.index_select(0, idx)[:, None]
-        ls, lp, _, st = _log_probs(a, b, spec, True)
-        _entropies(st, ls, lp)
+        ls, lp, _, st = chunk_log_probs(a, b, spec, True)
+        chunk_entropies(st, ls, lp)
         ls_y, lp_y = ls.gather(-1, y).squeeze(-1), lp.gather(-1, y).squeeze(-1)
         st.divergence = (ls_y - lp_y).sum()
         log_s.index_copy_(0, idx, ls_y)

@@ -40,7 +40,7 @@ def kernel_precision(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def compute_dtype(x: Tensor) -> torch.dtype:
+def working_dtype(x: Tensor) -> torch.dtype:
     """float64 stays float64; everything else (fp32, bf16, fp16) is computed in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -100,7 +100,7 @@ def per_token_loss_dense(
     """``[N]`` per-token losses from ``[N, V]`` logits, by autograd."""
     check_logits(student_logits, teacher_logits, targets, spec.mode)
     spec.check_vocab(student_logits.shape[-1])
-    dtype = compute_dtype(student_logits)
+    dtype = working_dtype(student_logits)
     a = student_logits.to(dtype) / spec.temperature
     b = teacher_logits.detach().to(dtype) / spec.temperature
     return DENSE[spec.mode](a, b, targets, spec)

@@ -7,7 +7,7 @@ sync is free.
 VLLMEngine (``opsd.rollout.vllm``, optional `vllm` extra, pinned to one vLLM version) runs a colocated,
 in-process vllm.LLM per trainer rank that sleeps while the trainer trains and reloads the trainer's
 weights after each optimizer step.
-VLLMServerEngine (``opsd.rollout.server``) sends the rollouts over HTTP to `vllm serve` processes that
+VLLMServerEngine (``opsd.rollout.remote``) sends the rollouts over HTTP to `vllm serve` processes that
 `opsd serve` (``opsd.rollout.serve``) starts, and their weights after each optimizer step.
 ``opsd.rollout.queue`` decides what each step trains on.
 """

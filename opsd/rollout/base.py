@@ -2,7 +2,7 @@
 
 Every engine implements :class:`RolloutEngine`; :func:`opsd.rollout.make.make_engine` builds one from
 the run config. The helpers here are shared by the in-process engines and the HTTP client of
-:mod:`opsd.rollout.server`.
+:mod:`opsd.rollout.remote`.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class SamplesOnSubmit:
         return handle
 
 
-def _check_prompts(prompts: list[list[int]], n: int, vocab_size: int | None) -> None:
+def check_prompts(prompts: list[list[int]], n: int, vocab_size: int | None) -> None:
     if n < 1:
         raise ValueError(f"n={n} must be >= 1")
     for i, p in enumerate(prompts):
@@ -128,7 +128,7 @@ def _check_prompts(prompts: list[list[int]], n: int, vocab_size: int | None) -> 
             )
 
 
-def _stop_ids(tokenizer, model, extra: list[int]) -> list[int]:
+def end_token_ids(tokenizer, model, extra: list[int]) -> list[int]:
     """eos from the tokenizer and the model's generation config (chat models often have several)."""
     ids: list[int] = []
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

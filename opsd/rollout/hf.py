@@ -6,6 +6,7 @@ It runs anywhere (CPU or GPU), and weight sync is free since the model is shared
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from transformers import (
@@ -24,7 +25,7 @@ from transformers.generation.logits_process import (
 from opsd.cpu import CpuPlan, default_plan
 from opsd.devices import rng_devices
 from opsd.parallel import gathered
-from opsd.rollout.base import Completion, SamplesOnSubmit, SamplingParams, _check_prompts, _stop_ids
+from opsd.rollout.base import Completion, SamplesOnSubmit, SamplingParams, check_prompts, end_token_ids
 
 
 class _Warp(LogitsProcessor):
@@ -57,11 +58,18 @@ class _Recorder(StoppingCriteria):
     """Runs after each sampled token: records its log-prob and where each row hit a stop condition."""
 
     def __init__(
-        self, warp: _Warp, prompt_len: int, stop_ids: list[int], stop_strings: list[str], tokenizer
+        self,
+        warp: _Warp,
+        prompt_len: int,
+        stop_ids: list[int],
+        stop_strings: list[str],
+        tokenizer,
+        stop_text: Callable[[str], bool] | None = None,
     ) -> None:
         self.warp, self.prompt_len = warp, prompt_len
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long)
         self.stop_strings, self.tokenizer = stop_strings, tokenizer
+        self.stop_text = stop_text  # on the whole response's text, as a grader reads it
         # A stop string can only have been completed within its own length in tokens (+ slack for bytes).
         self.window = max((len(s.encode()) for s in stop_strings), default=0) + 2
         self.logprobs: list[torch.Tensor] = []
@@ -86,6 +94,13 @@ class _Recorder(StoppingCriteria):
                 )
                 for r, text in zip(rows, texts):
                     if any(s in text for s in self.stop_strings):
+                        hit[r] = True
+        if self.stop_text is not None:
+            rows = ((self.end < 0) & ~hit).nonzero().flatten().tolist()
+            if rows:
+                responses = input_ids[rows, self.prompt_len :].cpu().tolist()
+                for r, text in zip(rows, self.tokenizer.batch_decode(responses, skip_special_tokens=True)):
+                    if self.stop_text(text):
                         hit[r] = True
         self.end = torch.where(hit & (self.end < 0), step, self.end)
         return self.end >= 0
@@ -140,16 +155,26 @@ class HFEngine(SamplesOnSubmit):
         pass
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
-        """Returns len(prompts)*n completions, prompt-major; deterministic given params.seed."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        *,
+        stop_text: Callable[[str], bool] | None = None,
+    ) -> list[Completion]:
+        """Returns len(prompts)*n completions, prompt-major; deterministic given params.seed.
+
+        ``stop_text``: a row also stops once it holds for the response's text (decoded as a grader reads
+        it, every step): ``finish_reason="stop"`` on the token that made it hold."""
         params.validate()
-        _check_prompts(prompts, n, getattr(getattr(self.model, "config", None), "vocab_size", None))
+        check_prompts(prompts, n, getattr(getattr(self.model, "config", None), "vocab_size", None))
         items = [(i, j) for i in range(len(prompts)) for j in range(n)]
         # Similar lengths together means less padding; sorting is stable so order is deterministic.
         order = sorted(range(len(items)), key=lambda k: len(prompts[items[k][0]]))
         device = next(self.model.parameters()).device
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        stop_ids = _stop_ids(self.tokenizer, self.model, list(params.stop_token_ids))
+        stop_ids = end_token_ids(self.tokenizer, self.model, list(params.stop_token_ids))
         was_training = self.model.training
         self.model.eval()
         results: list[Completion | None] = [None] * len(items)
@@ -169,14 +194,22 @@ class HFEngine(SamplesOnSubmit):
                 for start in range(0, len(order), self.batch_size):
                     chunk = order[start : start + self.batch_size]
                     batch = [prompts[items[k][0]] for k in chunk]
-                    for k, comp in zip(chunk, self._generate_batch(batch, params, stop_ids, device)):
+                    comps = self._generate_batch(batch, params, stop_ids, device, stop_text)
+                    for k, comp in zip(chunk, comps):
                         comp.prompt_index = items[k][0]
                         results[k] = comp
         finally:
             self.model.train(was_training)
         return results  # type: ignore[return-value]
 
-    def _generate_batch(self, batch: list[list[int]], params: SamplingParams, stop_ids: list[int], device):
+    def _generate_batch(
+        self,
+        batch: list[list[int]],
+        params: SamplingParams,
+        stop_ids: list[int],
+        device,
+        stop_text: Callable[[str], bool] | None = None,
+    ):
         width = self.cpu_settings.width(max(len(p) for p in batch))
         ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -184,7 +217,7 @@ class HFEngine(SamplesOnSubmit):
             ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[r, width - len(p) :] = 1
         warp = _Warp(params)
-        rec = _Recorder(warp, width, stop_ids, params.stop_strings, self.tokenizer)
+        rec = _Recorder(warp, width, stop_ids, params.stop_strings, self.tokenizer, stop_text)
         sample = params.temperature > 0
         # Neutralise HF's own warpers and any model defaults (e.g. Qwen's top_k=20): _Warp does it.
         neutral = dict(temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0) if sample else {}

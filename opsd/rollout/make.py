@@ -1,5 +1,5 @@
 """The engine kind that runs -> an engine: the one place that builds one of the rollout engines
-(:mod:`opsd.rollout.hf`, :mod:`opsd.rollout.vllm`, :mod:`opsd.rollout.server`); a new engine is a
+(:mod:`opsd.rollout.hf`, :mod:`opsd.rollout.vllm`, :mod:`opsd.rollout.remote`); a new engine is a
 class of its own and a branch here. ``rollout.engine: auto`` is resolved before, once per run
 (:func:`opsd.config.resolve_engine`), and the kind passed in."""
 
@@ -16,7 +16,7 @@ from opsd.errors import UserError
 from opsd.precision import dtype_name
 from opsd.rollout.base import RolloutEngine
 from opsd.rollout.hf import HFEngine
-from opsd.rollout.server import VLLMServerEngine
+from opsd.rollout.remote import VLLMServerEngine
 from opsd.rollout.vllm import VLLMEngine
 
 if TYPE_CHECKING:

@@ -16,6 +16,7 @@ from typing import Any
 from opsd import distributed
 from opsd.cpu import CpuPlan
 from opsd.data.sampler import DataCursor
+from opsd.data.solutions import Solutions
 from opsd.errors import EngineError
 from opsd.rollout.base import Completion, RolloutEngine, SamplingParams, batch_from_state, batch_state
 from opsd.rollout.reuse import RolloutReuse
@@ -168,3 +169,28 @@ def horizon_tokens(horizon: dict[str, int], step: int) -> int:
     step ``over_steps``, ``end`` after."""
     start, end, over = horizon["start"], horizon["end"], horizon["over_steps"]
     return round(start + (end - start) * min(1.0, step / over))
+
+
+class SolutionQueue(RolloutQueue):
+    """``objective: sft``'s queue: each step's problems drawn from the cursor as for rollouts
+    (``rollout.prompts_per_step`` a step, the run's data order, resumable), with each one's reference
+    solution and end token as its one response. Nothing is generated for training; the engine
+    serves the held-out evaluation only."""
+
+    def __init__(self, solutions: Solutions, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.solutions = solutions
+
+    def next(self, step: int, timer) -> tuple[list[int], list, list[Completion], float]:
+        """``step``'s problems, their prompt pairs (the student prompt twice: no teacher reads them)
+        and their solutions as completions, a cut one marked ``length``; no policy lag. Reading the
+        solutions is this objective's rollout, timed as one."""
+        with timer("rollout"):
+            ex_idx = self.cursor.next_indices(self.per_rank)
+            pairs = [self.solutions.pair(i) for i in ex_idx]
+            end = self.solutions.tokenizer.eos_token_id
+            completions = [
+                Completion(j, list(target), None, "stop" if target[-1] == end else "length")
+                for j, (_, target) in enumerate(pairs)
+            ]
+        return ex_idx, [(prompt, prompt) for prompt, _ in pairs], completions, 0.0

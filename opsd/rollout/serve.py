@@ -3,7 +3,7 @@
 It turns on the dev-mode endpoints the trainer's weight sync calls (``VLLM_SERVER_DEV_MODE=1``), asks
 for the log-probs of the distribution sampled from, resolves ``--dtype auto`` as `opsd train` resolves
 ``model.dtype: auto``, and on a CPU sizes the KV cache instead of taking 92% of the RAM. The client
-the trainer runs against these servers is :class:`opsd.rollout.server.VLLMServerEngine`.
+the trainer runs against these servers is :class:`opsd.rollout.remote.VLLMServerEngine`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from opsd.devices import empty_cache, rng_devices, vllm_device
 from opsd.distributed import rank_world
 from opsd.errors import UserError
 from opsd.models import fixed_weight_names, merged_weight_names, merged_weights
-from opsd.rollout.base import Completion, SamplesOnSubmit, SamplingParams, _check_prompts, _stop_ids
+from opsd.rollout.base import Completion, SamplesOnSubmit, SamplingParams, check_prompts, end_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ class VLLMEngine(SamplesOnSubmit):
             top_k=params.top_k,  # 0 disables it in vLLM too
             max_tokens=params.max_new_tokens,
             min_tokens=params.min_new_tokens,
-            stop_token_ids=_stop_ids(self.tokenizer, self.model, list(params.stop_token_ids)),
+            stop_token_ids=end_token_ids(self.tokenizer, self.model, list(params.stop_token_ids)),
             stop=list(params.stop_strings) or None,
             include_stop_str_in_output=True,
             logprobs=0,  # just the sampled token's log-prob
@@ -384,7 +384,7 @@ class VLLMEngine(SamplesOnSubmit):
         """len(prompts)*n completions, prompt-major; deterministic given params.seed (and the group's
         prompts)."""
         params.validate()
-        _check_prompts(prompts, n, self.vocab_size)
+        check_prompts(prompts, n, self.vocab_size)
         self.wake()
         if self._tp_group is None:
             return self._generate(prompts, n, params)

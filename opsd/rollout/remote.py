@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from opsd.distributed import first_error, rank_world
 from opsd.errors import EngineError, UserError
-from opsd.rollout.base import Completion, SamplingParams, _check_prompts, _stop_ids
+from opsd.rollout.base import Completion, SamplingParams, check_prompts, end_token_ids
 
 PROBE_TOKENS = 8
 PROBE_SIGMAS = 6.0  # the probe's tolerance in units of the rounding model's sigma (probe_tolerance)
@@ -310,7 +310,7 @@ class VLLMServerEngine:
     def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
         """``len(prompts) * n`` completions, prompt-major; prompt ``i`` to server ``i mod S``."""
         params.validate()
-        _check_prompts(prompts, n, self.vocab_size)
+        check_prompts(prompts, n, self.vocab_size)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
 
         def one(i: int) -> list[Completion]:
@@ -345,7 +345,7 @@ class VLLMServerEngine:
             "top_k": params.top_k if params.top_k > 0 else -1,
             "seed": seed,
             "stop": list(params.stop_strings),
-            "stop_token_ids": _stop_ids(self.tokenizer, self.model, list(params.stop_token_ids)),
+            "stop_token_ids": end_token_ids(self.tokenizer, self.model, list(params.stop_token_ids)),
             "include_stop_str_in_output": True,
             "logprobs": 0,
             "return_token_ids": True,
