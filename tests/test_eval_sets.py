@@ -261,7 +261,7 @@ def test_drift_after_a_change_is_the_float64_kl_from_the_initial_model(assets, t
         now = copy.deepcopy(trainer.model).double().eval()
         drift = trainer.evaluate().metrics()["eval/R/drift"]
         ref = _reference(tmp_path / "run")
-        now32 = trainer.answer_logits(reference_samples(ref))
+        now32 = trainer.answer_logits()(reference_samples(ref))
     finally:
         trainer.close()
     want, err = _drift64(ref, initial, now, now32)
