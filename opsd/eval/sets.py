@@ -126,33 +126,32 @@ def bucketed_kl(ref_top: Tensor, ref_rest: Tensor, top: Tensor, rest: Tensor) ->
     return kept + tail
 
 
-def answer_logits(model_hidden: Callable, samples: list, microbatches: Callable) -> list[Tensor]:
+def answer_logits(
+    model_hidden: Callable, samples: list, microbatches: Callable, reduce: Callable | None = None
+) -> list:
     """Each sample's response-position logits [r, V] in float32, a micro-batch and ``LOGIT_ROWS`` rows
-    at a time; ``model_hidden(mb)`` gives a micro-batch's hidden states [R, H] and the head weight."""
-    out: list[Tensor | None] = [None] * len(samples)
+    at a time, passed through ``reduce(i, logits)`` as soon as they are made (so a set's logits are
+    never held together; default: kept as they are); ``model_hidden(mb)`` gives a micro-batch's
+    hidden states [R, H] and the head weight."""
+    out: list = [None] * len(samples)
     for mb in microbatches(samples):
         hidden, head = model_hidden(mb)
         start = 0
         for i, n in zip(mb.sample_indices, mb.response_lens):
             rows = hidden[start : start + n]
-            out[i] = torch.cat(
+            logits = torch.cat(
                 [rows[j : j + LOGIT_ROWS].float() @ head.float().T for j in range(0, n, LOGIT_ROWS)]
             )
+            out[i] = logits if reduce is None else reduce(i, logits)
             start += n
     return out
 
 
-def drift_reference(
-    samples: list, logits_of: Callable[[list], list[Tensor]], k: int, path: Path | None, write: bool
-) -> dict:
+def drift_reference(samples: list, logits_of: Callable, k: int, path: Path | None, write: bool) -> dict:
     """The initial model's bucketed log-probs at its own greedy answers (``samples``: prompt + answer),
     kept at ``path`` (written where ``write``)."""
-    index, top, rest = [], [], []
-    for logits in logits_of(samples):
-        i, t, r = bucketed_logprobs(logits, None, k)
-        index.append(i)
-        top.append(t)
-        rest.append(r)
+    bucketed = logits_of(samples, lambda i, logits: bucketed_logprobs(logits, None, k))
+    index, top, rest = (list(x) for x in zip(*bucketed)) if bucketed else ([], [], [])
     ref = {
         "prompts": [list(s.student_ids[: -s.response_len]) for s in samples],
         "responses": [list(s.student_ids[-s.response_len :]) for s in samples],
@@ -167,16 +166,17 @@ def drift_reference(
     return ref
 
 
-def drift(ref: dict, logits_of: Callable[[list], list[Tensor]]) -> float:
+def drift(ref: dict, logits_of: Callable) -> float:
     """The mean per-token bucketed KL(initial || model) over the reference answers' tokens."""
     samples = reference_samples(ref)
-    total, tokens = 0.0, 0
-    for j, logits in enumerate(logits_of(samples)):
+
+    def kl(j: int, logits: Tensor) -> Tensor:
         _, top, rest = bucketed_logprobs(logits, ref["index"][j], 0)
-        kl = bucketed_kl(ref["top"][j], ref["rest"][j], top, rest)
-        total += float(kl.double().sum())
-        tokens += kl.numel()
-    return total / max(tokens, 1)
+        return bucketed_kl(ref["top"][j], ref["rest"][j], top, rest)
+
+    kls = logits_of(samples, kl)
+    tokens = sum(x.numel() for x in kls)
+    return sum(float(x.double().sum()) for x in kls) / max(tokens, 1)
 
 
 def reference_samples(ref: dict) -> list:
@@ -195,11 +195,11 @@ def logits_of(model, autocast: Callable, microbatches: Callable) -> Callable[[li
         return h, full_head_weight(model)
 
     @torch.no_grad()
-    def run(samples: list) -> list[Tensor]:
+    def run(samples: list, reduce: Callable | None = None) -> list:
         training = model.training
         model.eval()
         try:
-            return answer_logits(hidden, samples, lambda s: microbatches(s, skip_end=False))
+            return answer_logits(hidden, samples, lambda s: microbatches(s, skip_end=False), reduce)
         finally:
             model.train(training)
 
