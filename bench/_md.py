@@ -66,7 +66,7 @@ def _write(path: Path, header_line: str, section: str) -> None:
 
 
 def measured_line() -> str:
-    """The section's first line, which tests/test_freshness.py reads: `Measured: commit C; date D; cpu
+    """The section's first line, which tests/meta/test_freshness.py reads: `Measured: commit C; date D; cpu
     FLAGS; load BEFORE -> AFTER`. C says "with uncommitted changes" where opsd/ differs from it."""
     commit = _git("rev-parse", "--short", "HEAD") or "not recorded"
     if commit != "not recorded" and _git("status", "--porcelain", "--", "opsd"):

@@ -393,9 +393,10 @@ class LossConfig(_Section):
     top token from 0.20 to 0.31; under `entry` that token's term (0.6 log 3 = 0.66) is clipped, it
     keeps the softmax coupling from the others, the gradient is [+0.08, -0.14, +0.06] and the mass
     falls to 0.18 (the step raises the token's divergence by 0.028 to first order); under `token` the
-    token teaches nothing. `scale` and `none` step every token down its own divergence (tests/test_loss.py,
-    the descent property, which records `entry` as failing). The run's start prints the clip mode and
-    whether it keeps descent. The default is `none`: on the arithmetic comparison of docs/studies/arith.md
+    token teaches nothing. `scale` and `none` step every token down its own divergence
+    (tests/loss/test_loss.py, the descent property, which records `entry` as failing). The run's start
+    prints the clip mode and whether it keeps descent. The default is `none`: on the arithmetic comparison
+    of docs/studies/arith.md
     (SmolLM2-135M, 400 test problems) no clip and `scale` 0.05 both end at the base's 2.75%, and
     `entry` 0.05 falls below it (0.25% at step 20, -2.50 points [-4.18, -0.82]; from step 40 the
     student answers in one token); the demo's gain runs with no clip. The paper recipe

@@ -10,7 +10,7 @@ The **storage** dtype follows from it:
   bf16: in one process through ``torch.autocast`` around the model forwards (never around the loss,
   which stays float32); under torchrun through FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``.
   Without a master copy AdamW's small updates round away: in 10 steps at lr 5e-6, 5% of the tiny
-  model's weights moved at all, against 94% with masters (tests/test_precision.py).
+  model's weights moved at all, against 94% with masters (tests/train/test_precision.py).
   ``model.pure_bf16: true`` opts into bf16 storage.
 * LoRA stores the frozen base in the compute dtype (no second copy) and the adapters in float32.
 * evaluation and generation store the weights in the compute dtype.

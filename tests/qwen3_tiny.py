@@ -1,12 +1,12 @@
-"""The tiny offline tokenizer and model with Qwen3's own chat template, for tests/test_thinking.py and
-tests/test_recipe.py (test modules import shared code from plain modules, never from one another).
+"""The tiny offline tokenizer and model with Qwen3's own chat template, for tests/data/test_thinking.py and
+tests/commands/test_recipe.py (test modules import shared code from plain modules, never from one another).
 
 ``tests/data/qwen3_chat_template.jinja`` is the ``chat_template`` of Qwen3's ``tokenizer_config.json``
 (the hybrid-thinking template the Qwen3 models were released with; this copy is Qwen/Qwen3-0.6B's), copied
 verbatim from the copy the Hugging Face Jinja implementation tests against: repository
 huggingface/huggingface.js, file packages/jinja/test/e2e.test.js, entry "Qwen/Qwen3-0.6B" (commit
 622b12b59a7d5a3b5215a8ac7704c7d04372334a). That entry's expected output is
-:data:`VENDORED_MESSAGES` rendered to :data:`VENDORED_TARGET`, which tests/test_thinking.py checks.
+:data:`VENDORED_MESSAGES` rendered to :data:`VENDORED_TARGET`, which tests/data/test_thinking.py checks.
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ Each check prints what it measures as it goes, appends one JSON object per measu
 ``FIGURES key=value ...`` as its last line (``evidence.sh`` copies it into ``summary.tsv``) and exits
 0 when what it checks holds, 1 when not, 77 when it cannot run here (no CUDA without ``--tiny``).
 ``--tiny``: the same code on the CPU at a tiny shape, so that the suite can run it
-(``tests/test_gpu_evidence.py``).
+(``tests/train/test_gpu_evidence.py``).
 
 Full fine-tuning runs before LoRA in every check, and each setup in a guard of its own (check 2: an
 exception is caught and recorded; checks 3 and 4: a process of its own, under its own timeout), so that
 one setup's failure costs its own figures only.
 
-Check 4's arithmetic (``flops.py`` has it in full, and ``tests/test_gpu_flops.py`` checks it by hand):
+Check 4's arithmetic (``flops.py`` has it in full, and ``tests/train/test_gpu_flops.py`` checks it by hand):
 
     FLOPs = 6 N_body T_s + 2 N_body T_t + 8 V H R + attention     (full fine-tuning)
     FLOPs = 4 N_body T_s + 6 N_lora T_s + 2 N_body T_t + 6 V H R + attention     (LoRA)

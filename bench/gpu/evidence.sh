@@ -4,7 +4,7 @@
 #
 #     bash bench/gpu/evidence.sh [--tiny] [--out DIR]      # DIR defaults to $OUT, else runs/evidence
 #
-# --tiny: the same script on the CPU (no CUDA needed) at tiny shapes; tests/test_gpu_evidence.py runs
+# --tiny: the same script on the CPU (no CUDA needed) at tiny shapes; tests/train/test_gpu_evidence.py runs
 # it so that it cannot rot, and bench/gpu/pinned_dry_run.sh runs it on the GPU machine's versions.
 # Installs nothing from a registry: opsd runs from this tree (PYTHONPATH=$PWD) and, where its
 # pure-Python dependencies are missing, from the wheels that bench/gpu/fetch_wheels.sh put in .whl/

@@ -7,7 +7,7 @@ so no autograd graph over ``[N, V]`` exists. Two kernels turn a chunk of tempere
 :func:`_divergence_chunk` (``jsd`` and ``topk``) and :func:`_sampled_chunk` (``sampled``).
 The gradient with respect to the student logits ``z_s = T a`` is that divided by ``T``.
 
-Precision against the float64 oracle on the same input values (the bounds ``tests/test_loss.py``
+Precision against the float64 oracle on the same input values (the bounds ``tests/loss/test_loss.py``
 holds, each with its error model; measured figures: docs/studies/precision.md, "Loss precision
 against the float64 oracle"):
 
@@ -488,7 +488,7 @@ def fused_linear_distill(
     each (``dL/dz`` rounded to bf16), accumulated in float32. Softmax, divergence and gradient
     arithmetic stay in float32. Six bf16 products per chunk replace four float32 ones. The loss
     stays within 1e-3 relative for ``jsd`` and ``topk``; ``sampled``'s loss value is a small
-    difference of two log-probabilities and loses more. ``tests/test_loss.py`` holds the bounds;
+    difference of two log-probabilities and loses more. ``tests/loss/test_loss.py`` holds the bounds;
     docs/studies/precision.md has the measured errors.
     None (the default) keeps every product in the compute dtype.
 

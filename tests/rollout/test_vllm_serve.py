@@ -1,5 +1,5 @@
 """rollout.engine=vllm_server against real `vllm serve` processes (the CPU build), started by `opsd
-serve` on localhost: executed with `.venv-vllm/bin/python -m pytest -m vllm tests/test_vllm_serve.py`
+serve` on localhost: executed with `.venv-vllm/bin/python -m pytest -m vllm tests/rollout/test_vllm_serve.py`
 (scripts/vllm_cpu_env.sh); skipped where vLLM is not installed. Float32 on both sides, but for the
 test of `opsd serve`'s own defaults.
 
@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/vllm_cpu_env.sh)")
 
+from helpers import ROOT as HELPERS_ROOT  # noqa: E402
 from helpers import make_cfg  # noqa: E402
 from process_tree import descendants, gone  # noqa: E402
 
@@ -229,7 +230,7 @@ def test_sigterm_to_opsd_serve_leaves_no_process(assets, tmp_path):
     assert status == 0, (tmp_path / "server.log").read_text()[-2000:]
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(HELPERS_ROOT)
 
 
 @pytest.mark.smollm2

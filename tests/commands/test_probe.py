@@ -7,10 +7,9 @@ import math
 import subprocess
 import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
-from helpers import WritingEngine, build_assets
+from helpers import ROOT, WritingEngine, build_assets
 
 from opsd import probe
 from opsd.cli import main
@@ -268,7 +267,7 @@ def test_the_probe_runs_under_every_loss_mode(assets, tmp_path, mode):
 def test_the_bench_script_parses_its_arguments_and_renders_a_probe(assets, tmp_path):
     """bench/probe_speed.py times the real probe (not here: SmolLM2 on arith); its flags and its table,
     on a tiny probe's figures, run here."""
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     script = root / "bench" / "probe_speed.py"
     helped = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=root)
     assert helped.returncode == 0 and "--control-limit" in helped.stdout and "--whole" in helped.stdout

@@ -14,7 +14,8 @@ import re
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 PLACES = ("README.md", "docs", "opsd", "bench", "tests")
 SKIP_DIRS = {"__pycache__", ".pytest_cache", ".ruff_cache"}
 PATTERNS = (

@@ -5,9 +5,10 @@ a device fact or a device-specific action is a function in ``opsd/devices.py``."
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "opsd"
+from helpers import ROOT
+
+PKG = ROOT / "opsd"
 DEVICE_TYPES = {"cpu", "cuda"}
 TYPE_NAMES = {"type", "device_type"}  # torch.device.type, DeviceMesh.device_type
 ASKS = {"is_cpu", "is_cuda"}  # vLLM's current_platform.is_cpu(), a tensor's .is_cuda

@@ -15,12 +15,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 from docs_text import heading_anchors
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results.md"
 STUDIES = ROOT / "docs" / "studies"
 MAX_RESULTS_LINES = 500
@@ -52,7 +51,7 @@ COMPARE = (*STEP, "opsd/compare", "opsd/eval", "opsd/grading.py", "opsd/sft.py")
 # `studies/NAME.md` (the page) or `studies/NAME.md#anchor` (a part with a Measured line of its own).
 MEASURES: dict[str, tuple[str, ...]] = {
     "loss-cpu-benchlosspy": ("opsd/loss", "bench/loss.py"),
-    "studies/precision.md": ("opsd/loss", "tests/test_loss.py"),
+    "studies/precision.md": ("opsd/loss", "tests/loss/test_loss.py"),
     "loss-products-on-this-cpu-benchcpuloss_productspy": (
         "opsd/loss",
         "opsd/cpu",

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import FULL_FT, ScriptedEngine, build_assets, make_cfg, spawn
+from helpers import FULL_FT, TESTS, ScriptedEngine, build_assets, make_cfg, spawn
 
 from opsd import Trainer
 from opsd.checkpoint import list_checkpoints
@@ -243,7 +243,7 @@ def test_torchrun_trains_then_a_rank0_run_dir_error_ends_every_rank(assets, tmp_
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     cmd = torchrun_command(2, "-m", "opsd", "train", "--config", str(path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     _clean_exit(res, "first")
     assert [r["step"] for r in _metrics(tmp_path / "run")] == [1, 2, 3]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT, SHARED_DATA
 from qwen3_tiny import ASSISTANT_TURN, EMPTY_THINK_BLOCK, save_qwen3_assets
 
 import opsd.eval.cli as eval_cli
@@ -20,12 +21,11 @@ from opsd.data import load_examples
 from opsd.eval import EvalResult
 from opsd.eval.cli import EvalCommandConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "examples" / "qwen3-1.7b-reference.yaml"
 EVAL_CONFIGS = {name: ROOT / "examples" / "eval" / f"{name}.yaml" for name in ("aime24", "aime25", "hmmt25")}
 EVAL_FILES = {"aime24": "aime24.jsonl", "aime25": "aime25.jsonl", "hmmt25": "hmmt25_feb.jsonl"}
 REPRODUCE = ROOT / "docs" / "reproduce.md"
-SHARED = ROOT.parent / "shared" / "data"
+SHARED = SHARED_DATA
 THINKING_BUDGET = 38912
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FakeLLM, spawn
+from helpers import TESTS, FakeLLM, spawn
 
 from opsd import checkpoint as C
 from opsd import distributed as D
@@ -590,7 +590,7 @@ if sys.argv[1] == "exit_rank":
 
 def _torchrun(script, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     cmd = D.torchrun_command(2, str(script), *args)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -1,7 +1,7 @@
 """rollout.engine=vllm_server against a fake server that speaks the same HTTP as `vllm serve` (the
 endpoints opsd calls, with vLLM 0.32's request and response fields) and generates with the HF
 engine on its own copy of the model, reloading it from the synced directory as vLLM's
-``reload_weights(weights_path=...)`` does. No vLLM needed; tests/test_vllm.py runs the real one."""
+``reload_weights(weights_path=...)`` does. No vLLM needed; tests/rollout/test_vllm.py runs the real one."""
 
 from __future__ import annotations
 

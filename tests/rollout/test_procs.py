@@ -1,7 +1,7 @@
 """Subprocesses opsd starts end with it (opsd.procs): signals forwarded, the child waited for, its exit
 status passed on, nothing left behind. `opsd serve` is driven here with a stand-in for vLLM's API
 server (``--python``), which starts a child of its own as vLLM starts its engine core;
-tests/test_vllm_serve.py does the same with the real one."""
+tests/rollout/test_vllm_serve.py does the same with the real one."""
 
 from __future__ import annotations
 

@@ -6,11 +6,11 @@ import errno
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from helpers import ROOT
 
 from opsd.cli import main
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
@@ -106,7 +106,7 @@ def test_missing_config_and_resume_dir(setup, tmp_path, capsys):
 
 def test_debug_shows_the_traceback(setup, tmp_path):
     cmd = [sys.executable, "-m", "opsd.cli", "--debug", *_train(setup, tmp_path, "device=gpu")]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert res.returncode != 0 and "Traceback" in res.stderr and "UserError" in res.stderr
 
 

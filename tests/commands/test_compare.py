@@ -4,16 +4,13 @@ tuning on seeds whose held-out set it never reads."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from helpers import build_assets
+from helpers import ROOT, SHARED_DATA, build_assets
 
 import opsd.trainer as trainer_mod
 from opsd import compare
 from opsd.errors import UserError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -436,7 +433,7 @@ def test_control_b_notes_rows_sharing_a_solution_before_any_method_trains(
     assert str(e.value).startswith(f"{same}: ") and "\n" not in str(e.value)
 
 
-SHARED = ROOT.parent / "shared" / "data"
+SHARED = SHARED_DATA
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SHARED_DATA
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,8 +34,6 @@ from opsd.data import (
 )
 from opsd.errors import UserError
 from opsd.tiny import build_tiny_tokenizer
-
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 ROWS = [
     {"problem": "What is 2 + 3?", "solution": "2 + 3 = 5.", "answer": "5"},

@@ -20,7 +20,7 @@ The float32 path is checked against the same pins at step 1 only, where nothing 
 backward separates the two dtypes (see ``test_float32_first_step_within_rounding``). After an AdamW
 update the difference is bounded only by lr per weight, so later float32 steps have no honest bound.
 Regenerate only for a deliberate change of the algorithm, with
-`OPSD_PRINT_PINNED=1 pytest tests/test_regression.py -s`.
+`OPSD_PRINT_PINNED=1 pytest tests/train/test_regression.py -s`.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ RTOL = 1e-9  # float64 across instruction sets: see the module docstring
 # log-softmax rounds each to about ln(V) * u32 absolute, and a term multiplies at most two of them
 # (sampled: A * log S), so a term, and a weighted mean of terms, is off by at most 2 (ln V)^2 u32.
 # Measured here: 2e-7 at most, under the bound of 4.6e-6. The gradient norm follows the fused kernel's
-# float32 gradient error, held at 3e-4 relative in tests/test_loss.py (measured here: 1e-5 at most).
+# float32 gradient error, held at 3e-4 relative in tests/loss/test_loss.py (measured here: 1e-5 at most).
 U32 = torch.finfo(torch.float32).eps / 2
 VOCAB = 512  # opsd.tiny's tokenizer
 LOSS_ATOL32 = 2 * math.log(VOCAB) ** 2 * U32

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SHARED_DATA
 
 from opsd.cli import main
 from opsd.data import Example, load_examples, student_prompt_ids
@@ -209,7 +210,7 @@ def test_evaluate_model_rejects_k0_and_missing_gold(tiny_tokenizer) -> None:
 
 @pytest.mark.shared_data
 def test_shared_gsm8k_loads_for_eval() -> None:
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.jsonl"
+    path = SHARED_DATA / "gsm8k_test.jsonl"
     if not path.exists():
         pytest.skip(f"{path} not present")
     rep = load_examples(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "opsd"
+from helpers import ROOT
+
+PKG = ROOT / "opsd"
 
 
 def _module_name(path: Path) -> str:

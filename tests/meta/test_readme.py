@@ -24,38 +24,38 @@ import pytest
 import yaml
 from demo_small import small_demo_settings
 from docs_text import heading_anchors, shown_commands
+from helpers import ROOT, SHARED_DATA
 
 from opsd.cli import main
 from opsd.compare.plan import METHODS
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "docs" / "studies").glob("*.md"))
 SKIP = {"fetch-model": "replaced by a planted tiny model"}
 # Commands another test runs on a tiny model, by how they begin: that test, and why not here.
 ELSEWHERE = {
     ("opsd", "train", "--config", "examples/qwen3-1.7b-reference.yaml"): (
-        "tests/test_recipe.py::test_the_recipe_runs_one_step_on_a_tiny_model",
+        "tests/commands/test_recipe.py::test_the_recipe_runs_one_step_on_a_tiny_model",
         "the paper's recipe needs Qwen3's chat template: that test's tiny model has it",
     ),
     ("opsd", "eval", "--config", "examples/eval/"): (
-        "tests/test_recipe.py::test_reproduce_md_eval_commands_run_avg_at_12_with_thinking",
+        "tests/commands/test_recipe.py::test_reproduce_md_eval_commands_run_avg_at_12_with_thinking",
         "evaluates the recipe's checkpoints of Qwen3-1.7B: that test runs these lines as written",
     ),
     ("opsd", "serve"): (
-        "tests/test_vllm_serve.py::test_opsd_serve_defaults_on_a_cpu",
+        "tests/rollout/test_vllm_serve.py::test_opsd_serve_defaults_on_a_cpu",
         "starts a vLLM server",
     ),
     ("opsd", "train", "--config", "examples/smollm2-math.yaml", "rollout.engine=vllm_server"): (
-        "tests/test_vllm_serve.py::test_three_steps_through_a_real_server",
+        "tests/rollout/test_vllm_serve.py::test_three_steps_through_a_real_server",
         "trains against the vLLM server of the line before",
     ),
     ("opsd", "train", "--config", "run.yaml", "device=cuda"): (
-        "tests/test_gpu.py::test_bf16_full_finetuning_on_cuda_keeps_float32_masters",
+        "tests/train/test_gpu.py::test_bf16_full_finetuning_on_cuda_keeps_float32_masters",
         "needs a CUDA GPU",
     ),
     ("torchrun",): (
-        "tests/test_train_distributed.py::test_two_ranks_match_one_and_resume_across_world_sizes",
+        "tests/train/test_train_distributed.py::test_two_ranks_match_one_and_resume_across_world_sizes",
         "torchrun over GPUs and nodes: that test runs two CPU ranks",
     ),
 }
@@ -135,13 +135,13 @@ def tiny_home(tmp_path, monkeypatch) -> Path:
     tok = build_tiny_tokenizer()
     build_tiny_model(tok, hidden_size=32, seed=0).save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
-    (model_dir / "opsd_fetch.json").write_text(json.dumps({"planted_by": "tests/test_readme.py"}))
+    (model_dir / "opsd_fetch.json").write_text(json.dumps({"planted_by": "tests/meta/test_readme.py"}))
     work = tmp_path / "clone"
     shutil.copytree(ROOT / "examples", work / "examples")
     monkeypatch.setenv("OPSD_HOME", str(home))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(work)
-    if (ROOT.parent / "shared" / "data").is_dir():
+    if (SHARED_DATA).is_dir():
         (tmp_path / "shared").symlink_to(ROOT.parent / "shared")
     return work
 

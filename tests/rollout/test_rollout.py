@@ -323,7 +323,7 @@ def test_smollm2_generates_from_chat_template(smollm2_path):
 
 # ----------------------------------------------------------------------------------------------
 # VLLMEngine against the small fake `vllm` of tests/helpers.py (installed by conftest's fake_vllm):
-# call order and arguments. tests/test_vllm.py runs the same engine on the real vLLM (CPU build).
+# call order and arguments. tests/rollout/test_vllm.py runs the same engine on the real vLLM (CPU build).
 
 
 def test_vllm_context_holds_the_longest_generation_asked_of_it(fake_vllm, tiny_model, tiny_tokenizer):

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
+from helpers import ROOT
 
 from opsd.config import Config, load_config, save_config
 from opsd.errors import UserError
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = ROOT / "examples"
 
 
 def test_yaml_plus_overrides(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from demo_small import SMALL, small_demo_settings
+from helpers import ROOT
 
 from opsd.cli import main
 from opsd.data import load_examples
@@ -228,7 +229,7 @@ def test_shipped_bases_are_declared_package_data():
     import importlib.resources
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     declared = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     for seed in base.SHIPPED:
         rel = base.shipped_path(seed).relative_to(root / "opsd" / "demo").as_posix()

