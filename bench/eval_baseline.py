@@ -18,7 +18,7 @@ from pathlib import Path
 import _common
 from _md import write_section
 
-from opsd.data import DEFAULT_INSTRUCTION, load_examples
+from opsd.data import DEFAULT_INSTRUCTION, RowKeys, load_examples
 from opsd.devices import machine_info
 from opsd.eval import evaluate_model
 from opsd.fetch import cached_model_path
@@ -42,7 +42,7 @@ def _settings(args: argparse.Namespace) -> dict:
 def run_dataset(model, tok, name: str, args: argparse.Namespace) -> dict:
     fname, pkey, akey = DATASETS[name]
     examples = load_examples(
-        str(SHARED / fname), problem_key=pkey, solution_key=None, answer_key=akey, require_answer=True
+        str(SHARED / fname), RowKeys(problem=pkey, solution=None, answer=akey), require_answer=True
     ).examples
     s = _settings(args)
     kw = dict(

@@ -50,12 +50,12 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
     from opsd.rollout import SamplingParams
 
     cfg = trainer.cfg
-    prompts = PromptBuilder.from_config(trainer.tokenizer, cfg.data, privileged=True)  # its own cache
+    prompts = PromptBuilder(trainer.run.tokenizer, cfg.data, privileged=True)  # its own cache
     pairs = [prompts(i, ex) for i, ex in enumerate(examples)]
     params = SamplingParams.from_rollout(cfg.rollout, seed)
-    trainer.engine.wake()
-    completions = trainer.engine.generate([s for s, _ in pairs], 1, params)
-    trainer.engine.sleep()
+    trainer.run.engine.wake()
+    completions = trainer.run.engine.generate([s for s, _ in pairs], 1, params)
+    trainer.run.engine.sleep()
     samples = [
         make_sample(*pairs[c.prompt_index], c.token_ids, c.prompt_index, c.finish_reason)
         for c in completions
@@ -64,16 +64,18 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
     tokens = sum(s.response_len for s in samples)
     batches = make_microbatches(
         samples,
-        max_tokens=trainer.mb_tokens,
-        pad_id=trainer.pad_id,
-        reduction=trainer.spec.reduction,
+        max_tokens=trainer.run.mb_tokens,
+        pad_id=trainer.run.pad_id,
+        reduction=trainer.run.spec.reduction,
         global_tokens=tokens,
         global_seqs=len(samples),
-        device=trainer.device,
+        device=trainer.run.dist.device,
     )
-    loss_sum, stats = trainer.forward_backward(batches, backward=False)  # the step's own loop, no gradient
+    loss_sum, stats = trainer.run.forward_backward(
+        batches, backward=False
+    )  # the step's own loop, no gradient
     loss = float(loss_sum)
-    trainer.teacher.release()
+    trainer.run.teacher.release()
     return {
         "loss": loss,
         **stats.means(),
@@ -89,15 +91,15 @@ def math500_accuracy(trainer, examples: list, max_new_tokens: int, batch_size: i
     from opsd.grading import grade_lenient
 
     res = evaluate_model(
-        trainer.model,
-        trainer.tokenizer,
+        trainer.run.model,
+        trainer.run.tokenizer,
         examples,
         k=1,
         temperature=0.0,
         max_new_tokens=max_new_tokens,
         instruction=trainer.cfg.data.instruction,
         batch_size=batch_size,
-        engine=trainer.engine,
+        engine=trainer.run.engine,
         name="MATH-500",
         progress=True,
     )
@@ -133,7 +135,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from opsd.config import load_config
-    from opsd.data import load_examples
+    from opsd.data import RowKeys, load_examples
     from opsd.devices import resolve_device
     from opsd.fetch import cached_model_path
     from opsd.precision import compute_dtype, dtype_name
@@ -158,9 +160,9 @@ def main() -> None:
     rows = (SHARED / "math_train.jsonl").read_text().splitlines()
     (args.out / "train.jsonl").write_text("\n".join(rows[: -args.heldout]) + "\n")
     (args.out / "heldout.jsonl").write_text("\n".join(rows[-args.heldout :]) + "\n")
-    heldout = load_examples(str(args.out / "heldout.jsonl"), answer_key="answer").examples
+    heldout = load_examples(str(args.out / "heldout.jsonl"), RowKeys(answer="answer")).examples
     math500 = load_examples(
-        str(SHARED / "math500_test.jsonl"), solution_key=None, answer_key="answer", require_answer=True
+        str(SHARED / "math500_test.jsonl"), RowKeys(solution=None, answer="answer"), require_answer=True
     ).examples
     math500 = math500[: args.math500]
 

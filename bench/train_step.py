@@ -149,7 +149,9 @@ def main() -> None:
     for r, (student, teacher) in zip(measured, lens[1:]):
         outside = r["time_step"] - r["time_rollout"]
         ms = 1000 * outside / r["tokens"]
-        floor = 1000 * step_flops(trainer.model, student, teacher, r["tokens"]) / (rate * 1e9) / r["tokens"]
+        floor = (
+            1000 * step_flops(trainer.run.model, student, teacher, r["tokens"]) / (rate * 1e9) / r["tokens"]
+        )
         per_tok.append(ms)
         floors.append(floor)
         cells = " | ".join(f"{r.get(f'time_{p}', 0.0):.2f}" for p in phases)

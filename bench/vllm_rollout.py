@@ -27,6 +27,7 @@ from opsd.config import RolloutConfig
 from opsd.fetch import fetch_model
 from opsd.models import load_model, load_tokenizer, resolve_model_path
 from opsd.rollout import HFEngine
+from opsd.rollout.base import EngineRun
 from opsd.rollout.make import make_engine
 
 REPO = _common.ROOT
@@ -63,9 +64,8 @@ def main() -> int:
         vllm_kwargs={"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30},
     )
     t0 = time.perf_counter()
-    eng = make_engine(
-        cfg, model, tok, seed=0, max_prompt_len=max(len(p) for p in prompts), model_path=str(path)
-    )
+    run = EngineRun(max_prompt_len=max(len(p) for p in prompts), model_path=str(path))
+    eng = make_engine(cfg, model, tok, run)
     start_s = time.perf_counter() - t0
     engine_tps(eng, prompts[:2], 4)  # warm-up
     vl: dict[int, Timing] = {}
@@ -134,7 +134,8 @@ def serve_tps(path, model, tok, prompts, args) -> tuple[dict[int, Timing], float
                 time.sleep(2)
         start_s = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as sync_dir:
-            eng = VLLMServerEngine(model, tok, [url], sync_dir=sync_dir)
+            rollout = RolloutConfig(engine="vllm_server", servers=[url], sync_dir=sync_dir)
+            eng = VLLMServerEngine(model, tok, rollout, EngineRun())
             engine_tps(eng, prompts[:2], 4)  # warm-up
             out = {}
             for bs in args.batch_sizes:

@@ -455,7 +455,7 @@ def _run_opsd(w: Work) -> tuple[list[dict], dict]:
     )
     cfg = command_defaults(cfg)  # the `opsd` command's defaults (cpu.tune_malloc), as `opsd train` runs
     trainer = Trainer(cfg)
-    engine = type(trainer.engine).__name__
+    engine = type(trainer.run.engine).__name__
     trainer.train()
     recs = [json.loads(x) for x in (Path(w.run_dir) / "metrics.jsonl").read_text().splitlines()]
     keys = ("tokens", "time_step", *(f"time_{p}" for p in PHASES))

@@ -9,8 +9,9 @@ world size. ``RUN_DIR/checkpoints/step_000010/``:
   resharded on load to the current number of ranks)
 * ``model/``   -- Hugging Face format: the LoRA adapter (peft) or the full model, plus tokenizer
 * ``merged/``  -- optional, LoRA only: the adapter merged into a full model (vLLM/transformers load it)
-* ``state.pt`` -- step counter, scheduler, data cursor (shared by all ranks)
-* ``rank_NNNNN.pt`` -- each rank's own RNG state and counters
+* ``state.pt`` -- the format and the parts all ranks share, by name (the run's counters, scheduler,
+  data cursor: :meth:`opsd.setup.RunParts.checkpointed`)
+* ``rank_NNNNN.pt`` -- each rank's own parts by name (truncation counts, rollouts in flight) and RNG
 
 The ``.pt`` files hold only tensors, numbers, strings, lists, tuples and dicts, and are loaded with
 ``torch.load(weights_only=True)``: a checkpoint from someone else cannot run code when resumed.
@@ -31,12 +32,13 @@ import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from torch import Tensor, nn
 
 from opsd.distributed import initialized, rank_world, run_setup
@@ -47,8 +49,34 @@ from opsd.records import best_checkpoint
 
 PREFIX = "step_"
 # state.pt's "format". 1 (no key): before float32 master weights; a bf16 full fine-tuning run stored
-# bf16 weights and AdamW state, which load exactly into the float32 masters of format 2.
-FORMAT = 2
+# bf16 weights and AdamW state, which load exactly into the float32 masters of format 2. 3: the run's
+# counters under "progress" (formats 1 and 2 kept "step" and "bad_steps" at the top; they load as 3).
+FORMAT = 3
+
+
+class Stateful(Protocol):
+    """A checkpointed part of a run: the protocol torch.distributed.checkpoint's ``Stateful`` names.
+    Its state holds only tensors and plain data (weights-only loadable)."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+@dataclass
+class RunState:
+    """What a checkpoint holds of a run: the trainable weights of ``model``, ``optimizer`` and
+    ``tensors`` (``dcp/``, resharded on load), the Hugging Face export (``model/``, with
+    ``tokenizer``), the ``shared`` parts (rank 0 writes them to ``state.pt``, every rank loads them)
+    and each rank's own ``per_rank`` parts (``rank_NNNNN.pt``; a rank the saving run did not have
+    loads None into each). :func:`save_checkpoint` and :func:`load_checkpoint` walk the parts by name."""
+
+    model: nn.Module
+    tokenizer: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    shared: dict[str, Stateful] = field(default_factory=dict)
+    per_rank: dict[str, Stateful] = field(default_factory=dict)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -94,14 +122,8 @@ def clean_partial(run_dir: Path) -> list[Path]:
 # --- distributed checkpoint I/O: one layout for one process and any number of ranks ---------
 
 _DCP_DIR = "dcp"
-
-
 _SHARED = "state.pt"  # also what opsd.checkpoint.list_checkpoints looks for
-
-
 _META = "distributed.json"
-
-
 TMP_PREFIX = ".tmp-"  # a directory being written; opsd.checkpoint.clean_partial removes leftovers
 
 
@@ -370,17 +392,9 @@ def set_rng_state(state: dict) -> None:
 # --- save and load ----------------------------------------------------------------------------
 
 
-def _write_errors() -> tuple[type[BaseException], ...]:
-    """What a failed write raises: OSError from Python, RuntimeError from torch.save (and
-    opsd.distributed.PeerError: another rank's failure), safetensors' own."""
-    errors: tuple[type[BaseException], ...] = (OSError, RuntimeError)
-    try:
-        from safetensors import SafetensorError
-
-        errors += (SafetensorError,)
-    except ImportError:
-        pass
-    return errors
+# What a failed write raises: OSError from Python, RuntimeError from torch.save (and
+# opsd.distributed.PeerError: another rank's failure), safetensors' own.
+_WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 def _cause(err: BaseException, rank: int) -> BaseException:
@@ -393,32 +407,23 @@ def _cause(err: BaseException, rank: int) -> BaseException:
 
 
 def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    model: nn.Module,
-    tokenizer,
-    state: dict,
-    *,
-    keep_last: int,
-    save_merged: bool = False,
-    optimizer: torch.optim.Optimizer | None = None,
-    rank_state: dict | None = None,
-    tensors: dict[str, Tensor] | None = None,
+    run_dir: Path, step: int, run: RunState, *, keep_last: int, save_merged: bool = False
 ) -> Path:
     """Write everything needed to resume exactly; returns the checkpoint directory.
 
-    ``state`` is shared by all ranks (rank 0's is written), ``rank_state`` is this rank's own (its
-    RNG state is added); the trainable weights, ``optimizer`` and ``tensors`` go to ``dcp/``.
-    Collective under torchrun: every rank calls it, and rank 0 writes the Hugging Face export from
-    gathered weights. A failed write (full disk, I/O error) on any rank raises
-    :class:`TrainingError` after removing the temporary directory; earlier checkpoints are never
-    touched before the new one is complete.
+    Each part of ``run.shared`` and ``run.per_rank`` is saved under its name (rank 0's shared ones,
+    with the format; each rank's own, with its RNG state); the trainable weights, the optimizer and
+    ``run.tensors`` go to ``dcp/``. Collective under torchrun: every rank calls it, and rank 0 writes
+    the Hugging Face export from gathered weights. A failed write (full disk, I/O error) on any rank
+    raises :class:`TrainingError` after removing the temporary directory; earlier checkpoints are
+    never touched before the new one is complete.
     """
     rank, _ = rank_world()
     root = checkpoint_dir(run_dir)
     final = root / f"{PREFIX}{step:06d}"
     if rank == 0:
         clean_partial(run_dir)
+    model, tokenizer = run.model, run.tokenizer
     weights = _export_weights(model)
     lora = hasattr(model, "peft_config")
 
@@ -430,22 +435,24 @@ def save_checkpoint(
         write_merged(model, tokenizer, tmp / "merged")
 
     try:
-        mine = {**(rank_state or {}), "rng": rng_state()}
+        state = {"format": FORMAT} | {name: part.state_dict() for name, part in run.shared.items()}
+        mine = {name: part.state_dict() for name, part in run.per_rank.items()}
+        mine["rng"] = rng_state()  # after the parts: a part's state_dict may draw
         save_distributed(
             final,
             model,
-            optimizer,
+            run.optimizer,
             mine,
             state,
-            tensors=tensors,
+            tensors=run.tensors,
             export=export,
             collective_export=merged if save_merged and lora else None,
         )
     except BaseException as err:
         cause = _cause(err, rank)
-        if cause is err and not isinstance(err, _write_errors()):
+        if cause is err and not isinstance(err, _WRITE_ERRORS):
             raise
-        if not isinstance(cause, _write_errors()):
+        if not isinstance(cause, _WRITE_ERRORS):
             raise cause from err  # e.g. a KeyboardInterrupt inside torch.distributed.checkpoint
         previous = latest_checkpoint(run_dir)
         intact = (
@@ -532,31 +539,38 @@ def write_merged(model: nn.Module, tokenizer, out: Path, *, shard_bytes: int = M
     tokenizer.save_pretrained(out)
 
 
-def load_checkpoint(
-    ckpt: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    *,
-    tensors: dict[str, Tensor] | None = None,
-    seed: int = 0,
-) -> tuple[dict, dict]:
-    """Load a checkpoint in place into the live model, optimizer and ``tensors``, resharded to this
-    run's ranks (collective under torchrun), and restore this rank's RNG state; a rank the saving
-    run did not have is seeded with ``seed`` instead. Returns the shared state and this rank's own
-    (empty for a new rank)."""
+def load_checkpoint(ckpt: Path, run: RunState, *, seed: int = 0) -> None:
+    """Load a checkpoint in place into the live model, optimizer and tensors, resharded to this run's
+    ranks (collective under torchrun), restore this rank's RNG state (a rank the saving run did not
+    have is seeded with ``seed`` instead), then each shared part and each of this rank's parts by
+    name. A format this opsd cannot read is refused with one line (:func:`check_format`)."""
     ckpt = Path(ckpt)
+    fmt = check_format(ckpt)
     if not (ckpt / "dcp").is_dir():
         raise UserError(
             f"{ckpt}: no dcp/ directory; it was written by an earlier opsd version in another "
             "layout. Resume it with that version, or start the run again"
         )
-    loaded = load_distributed(ckpt, model, optimizer, tensors=tensors)
+    loaded = load_distributed(ckpt, run.model, run.optimizer, tensors=run.tensors)
     collect_state_dict_cycles()
+    mine = loaded.rank_state or {}
     if loaded.rank_state is None:
         torch.manual_seed(seed)
-        return loaded.shared_state, {}
-    set_rng_state(loaded.rank_state["rng"])
-    return loaded.shared_state, loaded.rank_state
+    else:
+        set_rng_state(mine["rng"])
+    shared = upgrade_state(loaded.shared_state, fmt)
+    for name, part in run.shared.items():
+        part.load_state_dict(shared[name])
+    for name, part in run.per_rank.items():
+        part.load_state_dict(mine.get(name))  # every rank calls each: a part may agree over ranks
+
+
+def upgrade_state(state: dict, fmt: int) -> dict:
+    """``state.pt`` of format ``fmt`` in this format's keys (formats 1-2: the counters at the top)."""
+    if fmt < 3:
+        state = dict(state)
+        state["progress"] = {"step": state.pop("step"), "bad_steps": state.pop("bad_steps", 0)}
+    return state
 
 
 def check_format(ckpt: Path) -> int:

@@ -67,50 +67,57 @@ REUSE_KEYS = ("rollout/generated_tokens", "rollout/reused")
 OPTIONAL_KEYS = ("logprob_gap", "reward_mean", "flat_group_frac", "policy_lag", *RLSD_KEYS, *REUSE_KEYS)
 
 
-def step_record(
-    *,
-    step: int,
-    loss: float,
-    loss_stats: dict[str, float],
-    grad_norm: float,
-    lr: float,
-    response_lens: list[int],
-    truncated: int,
-    tokens: int,
-    real_tokens: dict[str, int],
-    padded_tokens: dict[str, int],
-    skipped: bool,
-    prompt_truncated: dict[str, int],
-    epoch: int,
-    times: dict[str, float],
-    elapsed: float,
-    peak_mem_gb: float,
-    repetition: float = 0.0,
-) -> dict:
-    """One line of metrics.jsonl. ``response_lens`` and ``truncated`` cover every rank's responses;
-    ``repetition``: their mean share of repeated n-grams (:func:`repetition`; 0 where not measured)."""
-    n = max(1, len(response_lens))
+@dataclass
+class StepFigures:
+    """One step's figures over all ranks, what :func:`step_record` writes. ``response_lens`` and
+    ``truncated`` cover every rank's responses; ``repetition``: their mean share of repeated n-grams
+    (:func:`repetition`; 0 where not measured); ``real_tokens``, ``padded_tokens`` and
+    ``prompt_truncated`` per side (teacher, student)."""
+
+    step: int
+    loss: float
+    loss_stats: dict[str, float]
+    grad_norm: float
+    lr: float
+    response_lens: list[int]
+    truncated: int
+    tokens: int
+    real_tokens: dict[str, int]
+    padded_tokens: dict[str, int]
+    skipped: bool
+    prompt_truncated: dict[str, int]
+    epoch: int
+    times: dict[str, float]
+    elapsed: float
+    peak_mem_gb: float
+    repetition: float = 0.0
+
+
+def step_record(fig: StepFigures) -> dict:
+    """One line of metrics.jsonl, its keys :data:`STEP_KEYS` in order (then those measured)."""
+    n = max(1, len(fig.response_lens))
+    loss_stats = fig.loss_stats
     rec = {
-        "step": step,
-        "loss": float(loss),
+        "step": fig.step,
+        "loss": float(fig.loss),
         **{k: float(loss_stats[k]) for k in LOSS_STAT_KEYS},
-        "grad_norm": float(grad_norm),
-        "lr": float(lr),
-        "resp_len_mean": sum(response_lens) / n,
-        "resp_len_max": max(response_lens, default=0),
-        "truncated_frac": truncated / n,
-        "repetition": float(repetition),
-        "tokens": int(tokens),
-        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-        "real_token_frac_teacher": real_tokens["teacher"] / max(1, padded_tokens["teacher"]),
-        "real_token_frac_student": real_tokens["student"] / max(1, padded_tokens["student"]),
-        "skipped_nonfinite": int(skipped),
-        "prompt_truncated_student": int(prompt_truncated["student"]),
-        "prompt_truncated_teacher": int(prompt_truncated["teacher"]),
-        "epoch": int(epoch),
-        **{f"time_{p}": float(times.get(p, 0.0)) for p in PHASES},
-        "time_step": float(elapsed),
-        "peak_mem_gb": float(peak_mem_gb),
+        "grad_norm": float(fig.grad_norm),
+        "lr": float(fig.lr),
+        "resp_len_mean": sum(fig.response_lens) / n,
+        "resp_len_max": max(fig.response_lens, default=0),
+        "truncated_frac": fig.truncated / n,
+        "repetition": float(fig.repetition),
+        "tokens": int(fig.tokens),
+        "tokens_per_s": fig.tokens / fig.elapsed if fig.elapsed > 0 else 0.0,
+        "real_token_frac_teacher": fig.real_tokens["teacher"] / max(1, fig.padded_tokens["teacher"]),
+        "real_token_frac_student": fig.real_tokens["student"] / max(1, fig.padded_tokens["student"]),
+        "skipped_nonfinite": int(fig.skipped),
+        "prompt_truncated_student": int(fig.prompt_truncated["student"]),
+        "prompt_truncated_teacher": int(fig.prompt_truncated["teacher"]),
+        "epoch": int(fig.epoch),
+        **{f"time_{p}": float(fig.times.get(p, 0.0)) for p in PHASES},
+        "time_step": float(fig.elapsed),
+        "peak_mem_gb": float(fig.peak_mem_gb),
     }
     assert tuple(rec) == STEP_KEYS
     if "logprob_gap" in loss_stats:  # mean |log-prob of the rollout engine - the trainer's| per checked token
@@ -369,7 +376,7 @@ def step_metrics(
     per_sample = [[len(c.token_ids), c.finish_reason == "length"] for c in out.completions]
     total, rows = reduce_over_ranks(sums, per_sample, rank=rank, world=world)
     stats = LossStats(**{k: total[k] for k in asdict(out.stats)})
-    rec = step_record(
+    figures = StepFigures(
         step=step,
         loss=float(out.loss_sum),
         loss_stats=stats.means(),
@@ -388,7 +395,7 @@ def step_metrics(
         peak_mem_gb=peak_memory_gb(device),
         repetition=total["repetition_sum"] / max(1.0, total["repetition_count"]),
     )
-    return rec, total
+    return step_record(figures), total
 
 
 def log_step(

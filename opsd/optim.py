@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from opsd.devices import on_cuda
+
+if TYPE_CHECKING:
+    from opsd.config import OptimConfig
 
 
 def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: float = 0.0) -> float:
@@ -24,28 +28,24 @@ def lr_factor(step: int, *, warmup: int, total: int, schedule: str, min_ratio: f
 
 
 def make_optimizer(
-    params: list[nn.Parameter],
-    *,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    warmup: int = 0,
-    total: int,
-    schedule: str = "constant",
-    min_ratio: float = 0.0,
+    params: list[nn.Parameter], optim: OptimConfig
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over ``params`` and its schedule (:func:`lr_factor`), stepped once per optimizer step.
+    """AdamW over ``params`` and its schedule (:func:`lr_factor`) from the ``optim`` section, stepped
+    once per optimizer step (``optim.max_steps`` of them).
 
     Where every parameter is on a CUDA device (FSDP2's DTensors included) AdamW runs fused: one kernel
     per step and dtype instead of the default foreach path's several passes over the parameters,
     moments and gradients. Elsewhere it keeps PyTorch's default (foreach on CPU), whose numbers the
     CPU tests pin."""
+    o = optim
     fused = on_cuda(params)
     opt = torch.optim.AdamW(
-        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True if fused else None
+        params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True if fused else None
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, warmup=warmup, total=total, schedule=schedule, min_ratio=min_ratio)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # a plain function: its state_dict stores nothing of it
+        opt,
+        lambda s: lr_factor(
+            s, warmup=o.warmup_steps, total=o.max_steps, schedule=o.scheduler, min_ratio=o.min_lr_ratio
+        ),
     )
     return opt, sched

@@ -111,8 +111,8 @@ def _greedy(trainer, examples, prompts, name: str, answer_end: AnswerEnd | None)
     from opsd.eval import evaluate_model
 
     res = evaluate_model(
-        trainer.model,
-        trainer.tokenizer,
+        trainer.run.model,
+        trainer.run.tokenizer,
         examples,
         k=1,
         temperature=0.0,
@@ -122,8 +122,8 @@ def _greedy(trainer, examples, prompts, name: str, answer_end: AnswerEnd | None)
         enable_thinking=trainer.cfg.data.student_thinking,
         max_prompt_len=trainer.cfg.data.max_prompt_len,
         seed=trainer.cfg.seed,
-        engine=trainer.engine,
-        grader=trainer.eval_grader,
+        engine=trainer.run.engine,
+        grader=trainer.run.eval_grader,
         prompts=prompts,
         name=name,
         answer_end=answer_end,
@@ -141,7 +141,7 @@ def _ceiling(trainer, examples, source: str, answer_end: AnswerEnd | None = None
     shown, _ = apply_solution_source(examples, source)
     if not shown:
         return None
-    builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
+    builder = PromptBuilder(trainer.run.tokenizer, trainer.cfg.data, privileged=True)
     prompts = [builder(i, ex)[1] for i, ex in enumerate(shown)]
     return _greedy(trainer, shown, prompts, source, answer_end)
 
@@ -157,14 +157,14 @@ def _logits(trainer, seqs: list[list[int]], response_lens: list[int], *, teacher
     out = []
     for start in range(0, len(seqs), BATCH):
         rows, lens = seqs[start : start + BATCH], response_lens[start : start + BATCH]
-        ids, mask = pad_right(rows, trainer.pad_id, trainer.device, False)
-        positions = response_positions([len(r) for r in rows], lens, ids.shape[1]).to(trainer.device)
-        with torch.no_grad(), trainer.autocast():
+        ids, mask = pad_right(rows, trainer.run.pad_id, trainer.run.dist.device, False)
+        positions = response_positions([len(r) for r in rows], lens, ids.shape[1]).to(trainer.run.dist.device)
+        with torch.no_grad(), trainer.run.autocast():
             if teacher:
-                hidden, weight = trainer.teacher.score(ids, mask, positions)
+                hidden, weight = trainer.run.teacher.score(ids, mask, positions)
             else:
-                hidden = forward_hidden(trainer.model, ids, mask, positions)
-                weight = full_head_weight(trainer.model)
+                hidden = forward_hidden(trainer.run.model, ids, mask, positions)
+                weight = full_head_weight(trainer.run.model)
         out += list((hidden.float() @ weight.float().t()).split(lens))
     return out
 
@@ -181,8 +181,8 @@ def _token_stats(trainer, examples, completions, correct: list[bool], spec) -> T
     from opsd.rollout.base import end_token_ids
 
     raw_spec = replace(spec, clip_mode="none", clip=0.0)
-    builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
-    ends = set(end_token_ids(trainer.tokenizer, trainer.model, []))
+    builder = PromptBuilder(trainer.run.tokenizer, trainer.cfg.data, privileged=True)
+    ends = set(end_token_ids(trainer.run.tokenizer, trainer.run.model, []))
     others = apply_solution_source(examples, "other")[0] or None
     sums = dict(tokens=0, divergence=0.0, differs=0.0, overlap=0.0, removed=0.0, away=0)
     signal = dict(apart=0.0, pull=0.0, split=0)
@@ -276,7 +276,7 @@ def _scored(trainer, builder, examples, completions, correct, others=None):
     (all of them would be gigabytes). ``others`` gets a builder of its own: a builder caches by index."""
     from opsd.data import PromptBuilder
 
-    other_builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
+    other_builder = PromptBuilder(trainer.run.tokenizer, trainer.cfg.data, privileged=True)
     for start in range(0, len(completions), BATCH):
         batch = completions[start : start + BATCH]
         pairs = [builder(c.prompt_index, examples[c.prompt_index]) for c in batch]
@@ -297,10 +297,10 @@ def _reference_end(trainer, examples) -> dict:
     from opsd.data import PromptBuilder
     from opsd.rollout.base import end_token_ids
 
-    end = end_token_ids(trainer.tokenizer, trainer.model, [])[0]
-    builder = PromptBuilder.from_config(trainer.tokenizer, trainer.cfg.data, privileged=True)
+    end = end_token_ids(trainer.run.tokenizer, trainer.run.model, [])[0]
+    builder = PromptBuilder(trainer.run.tokenizer, trainer.cfg.data, privileged=True)
     pairs = [builder(i, ex) for i, ex in enumerate(examples)]
-    tok = trainer.tokenizer
+    tok = trainer.run.tokenizer
     responses = [tok(ex.solution, add_special_tokens=False)["input_ids"] + [end] for ex in examples]
     ones = [1] * len(examples)
     teacher = _logits(trainer, [t + r for (_, t), r in zip(pairs, responses)], ones, teacher=True)
@@ -341,11 +341,11 @@ def _sampled(trainer, examples) -> tuple[list, Answers]:
     from opsd.rollout import SamplingParams
 
     cfg = trainer.cfg
-    prompts = [trainer.eval_prompts(i, ex)[0] for i, ex in enumerate(examples)]
+    prompts = [trainer.run.eval_prompts(i, ex)[0] for i, ex in enumerate(examples)]
     params = SamplingParams.from_rollout(cfg.rollout, seed=cfg.seed)
-    completions = trainer.engine.generate(prompts, 1, params)
-    texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-    grades = [trainer.eval_grader(t, examples[c.prompt_index].answer) for t, c in zip(texts, completions)]
+    completions = trainer.run.engine.generate(prompts, 1, params)
+    texts = [trainer.run.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    grades = [trainer.run.eval_grader(t, examples[c.prompt_index].answer) for t, c in zip(texts, completions)]
     correct = [g.correct for g in grades]
     sampled = Answers(
         sum(correct) / len(correct),
@@ -353,7 +353,7 @@ def _sampled(trainer, examples) -> tuple[list, Answers]:
         sum(len(c.token_ids) for c in completions) / len(completions),
         correct,
     )
-    trainer.engine.sleep()
+    trainer.run.engine.sleep()
     return completions, _with_interval(sampled)
 
 
@@ -362,9 +362,9 @@ def _cut_report(trainer, examples, completions, answer_end: AnswerEnd | None) ->
     and how many of those it would have graded otherwise; None without a cut."""
     if answer_end is None:
         return None
-    texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    texts = [trainer.run.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     golds = [examples[c.prompt_index].answer for c in completions]
-    stopped, changed = cut_changes(texts, golds, trainer.eval_grader, answer_end)
+    stopped, changed = cut_changes(texts, golds, trainer.run.eval_grader, answer_end)
     return {
         "rule": answer_end.rule,
         "sampled": {"responses": len(texts), "stopped": stopped, "changed": changed},
@@ -408,7 +408,7 @@ def run_probe(
     trainer = Trainer(cfg, overwrite=True)
     clock.mark("setup")
     try:
-        examples = trainer.eval_examples
+        examples = trainer.run.data.eval_examples
         controls = examples[:control_limit]
         e, r = cfg.eval, cfg.rollout
         answer_end = ANSWER_ENDS.get(e.grader) if cut else None
@@ -427,7 +427,7 @@ def run_probe(
         clock.mark("sampled")
         cut_report = _cut_report(trainer, examples, completions, answer_end)
         say(progress, "probe: scoring the sampled responses with the teacher")
-        tokens = _token_stats(trainer, examples, completions, sampled.correct, trainer.spec)
+        tokens = _token_stats(trainer, examples, completions, sampled.correct, trainer.run.spec)
         clock.mark("token_stats")
         reference_end = _reference_end(trainer, examples)
         clock.mark("reference_end")
@@ -444,7 +444,7 @@ def run_probe(
             "eval_max_new_tokens": e.max_new_tokens,
             "rollout_temperature": r.temperature,
             "rollout_max_new_tokens": r.max_new_tokens,
-            "loss": trainer.spec.describe(),
+            "loss": trainer.run.spec.describe(),
             "control_problems": len(controls),
         },
         "cut": cut_report,

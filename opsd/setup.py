@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from opsd import checkpoint, cpu, distributed, models, parallel, precision
 from opsd.anchor import SFTAnchor, teacher_answers
 from opsd.config import Config, resolve_engine
-from opsd.data import DataCursor, Example, PromptBuilder, load_examples
+from opsd.data import DataCursor, Example, PromptBuilder, RowKeys, load_examples
 from opsd.data.controls import apply_solution_source, boxed_target, require_other_solution
 from opsd.data.solutions import Solutions
 from opsd.data.sources import take_rows
@@ -38,7 +38,7 @@ from opsd.metrics import MetricsWriter
 from opsd.microbatch import forward_backward
 from opsd.objectives import Objective, Scores, floor_end_tokens, make_distillation, make_objective
 from opsd.optim import make_optimizer
-from opsd.rollout.base import RolloutEngine, SamplingParams, end_token_ids
+from opsd.rollout.base import EngineRun, RolloutEngine, SamplingParams, end_token_ids
 from opsd.rollout.make import make_engine
 from opsd.rollout.queue import RolloutQueue, SolutionQueue
 from opsd.rundir import GracefulStop, prepare_run_dir, record_config
@@ -62,14 +62,16 @@ def load_data(cfg: Config, *, privileged: bool, needs_answers: bool, rank: int, 
     d = cfg.data
     loaded = load_examples(
         d.path,
-        problem_key=d.problem_key,
-        solution_key=d.solution_key if privileged else None,
-        answer_key=d.answer_key,
+        RowKeys(
+            problem=d.problem_key,
+            solution=d.solution_key if privileged else None,
+            answer=d.answer_key,
+            target=d.target_key,
+        ),
         split=d.split,
         skip_bad_rows=d.skip_bad_rows,
         drop_empty_solution=d.drop_empty_solution,
         require_answer=needs_answers,
-        target_key=d.target_key,
     )
     rows = take_rows(loaded.examples, d.rows, "data.rows", d.path)
     # The controls (teacher.solution_source other, wrong_answer): what the teacher reads instead; nothing
@@ -109,9 +111,7 @@ def load_heldout(cfg: Config, *, solutions: bool) -> list[Example]:
         return []
     loaded = load_examples(
         e.path,
-        problem_key=d.problem_key,
-        solution_key=d.solution_key if solutions else None,
-        answer_key=e.answer_key,
+        RowKeys(problem=d.problem_key, solution=d.solution_key if solutions else None, answer=e.answer_key),
         require_answer=True,
     )
     return take_rows(loaded.examples, e.rows, "eval.rows", e.path)[: e.limit]
@@ -233,22 +233,6 @@ def microbatch_tokens(
     )
 
 
-def make_optimizer_for(cfg: Config, params: list[nn.Parameter]):
-    """AdamW over ``params`` and its schedule, from the ``optim`` section."""
-    o = cfg.optim
-    return make_optimizer(
-        params,
-        lr=o.lr,
-        betas=o.betas,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        warmup=o.warmup_steps,
-        total=o.max_steps,
-        schedule=o.scheduler,
-        min_ratio=o.min_lr_ratio,
-    )
-
-
 def make_rollout_engine(
     cfg: Config, kind: str, model: nn.Module, tokenizer, prec, dist: distributed.Dist, plan: cpu.CpuPlan
 ):
@@ -259,12 +243,8 @@ def make_rollout_engine(
     trained) and takes the CPU plan's decoding mechanisms."""
     half_adapters = cfg.model.lora.enabled and prec.compute in precision.HALF
     amp = prec.compute if (prec.mixed or half_adapters) and dist.mesh is None else None
-    return make_engine(
-        cfg.rollout,
-        model,
-        tokenizer,
+    run = EngineRun(
         seed=cfg.seed,
-        kind=kind,
         max_prompt_len=cfg.data.max_prompt_len,
         # the held-out evaluation generates on the same engine, often longer than a rollout
         max_new_tokens=max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens if cfg.eval.path else 0),
@@ -274,6 +254,7 @@ def make_rollout_engine(
         run_dir=cfg.logging.run_dir,
         plan=plan,
     )
+    return make_engine(cfg.rollout, model, tokenizer, run=run, kind=kind)
 
 
 def open_run(
@@ -360,18 +341,34 @@ class LoadedRun:
 
 
 @dataclass
-class RunParts:
-    """Everything a :class:`~opsd.trainer.Trainer` runs, made by :func:`build` in the order the parts
-    need each other."""
+class Progress:
+    """The run's counters: optimizer steps taken, and how many of the last ones were skipped as
+    non-finite in a row (``optim.max_bad_steps``). A checkpoint part like any other."""
+
+    step: int = 0
+    bad_steps: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "bad_steps": self.bad_steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])
+        self.bad_steps = int(state["bad_steps"])
+
+
+@dataclass
+class RunParts(LoadedRun):
+    """Everything a :class:`~opsd.trainer.Trainer` runs: the loaded run (:class:`LoadedRun`'s rows,
+    tokenizer, prompt builders and anchor) and what :func:`build` makes on it, in the order the parts
+    need each other. The Trainer reads them here (``trainer.run``), never copies them; what a
+    checkpoint holds of them is :meth:`checkpointed`."""
 
     dist: distributed.Dist
     precision: precision.Precision
     plan: cpu.CpuPlan
     engine_kind: str
     objective: Objective
-    divergence_objective: Objective
     spec: DistillSpec
-    loaded: LoadedRun
     model: nn.Module
     teacher: Teacher
     params: list[nn.Parameter]
@@ -388,6 +385,20 @@ class RunParts:
     skip_end: bool
     check_lp: bool
     stop: GracefulStop
+    progress: Progress
+
+    def checkpointed(self) -> checkpoint.RunState:
+        """What a checkpoint saves and a resume restores: the trainable weights, optimizer and teacher
+        tensors (``dcp/``), the parts every rank shares (rank 0 writes them, ``state.pt``) and each
+        rank's own (``rank_NNNNN.pt``). A new checkpointed part is one entry here."""
+        return checkpoint.RunState(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            optimizer=self.optimizer,
+            tensors=self.teacher.tensors(),
+            shared={"progress": self.progress, "scheduler": self.scheduler, "cursor": self.data.cursor},
+            per_rank={"truncated": self.prompts, "pending": self.queue},
+        )
 
 
 def build(
@@ -424,18 +435,17 @@ def build(
     if dist.rank:  # dropout and anything else random differs per rank; rank 0 draws as one process does
         torch.manual_seed(distributed.rank_seed(cfg.seed, dist.rank))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = make_optimizer_for(cfg, params)
+    optimizer, scheduler = make_optimizer(params, cfg.optim)
     started = partial(make_rollout_engine, cfg, kind, model, loaded.tokenizer, prec, dist, plan)
     engine = distributed.run_setup(started, "rollout engine start")
     engine.sleep()  # the budget is measured without vLLM resident (rollout() wakes it)
     mb_tokens, why = microbatch_tokens(cfg, model, params, prec, dist.device, beside_vllm=kind == "vllm")
     if dist.rank == 0:
         print(f"rollout engine: {kind} ({chosen})", file=sys.stderr)
-        print(f"precision: {prec.describe()}", file=sys.stderr)
-        if objective.uses_teacher:
-            print(f"loss: {spec.describe()}", file=sys.stderr)
-        print(f"cpu plan: {plan.describe()}", file=sys.stderr)
-        print(f"micro-batches: up to {mb_tokens} padded tokens ({why})", file=sys.stderr)
+        print(
+            describe_run(prec, objective, spec, plan, f"up to {mb_tokens} padded tokens ({why})"),
+            file=sys.stderr,
+        )
     autocast = make_autocast(cfg, prec, dist, model)
     loss_mm = precision.loss_matmul_dtype(prec, dist.device) if cfg.loss.products == "auto" else None
     loop = MicroBatchLoop(
@@ -452,9 +462,8 @@ def build(
         plan=plan,
         engine_kind=kind,
         objective=objective,
-        divergence_objective=divergence,
         spec=spec,
-        loaded=loaded,
+        **vars(loaded),  # the rows, the tokenizer, the prompt builders, the anchor
         model=model,
         teacher=teacher,
         params=params,
@@ -471,7 +480,19 @@ def build(
         skip_end=cfg.loss.end_token == "skip" and cfg.objective == "opsd",
         check_lp=cfg.rollout.checks_logprobs(kind),
         stop=GracefulStop(),
+        progress=Progress(),
     )
+
+
+def describe_run(
+    prec: precision.Precision, objective: Objective, spec: DistillSpec, plan: cpu.CpuPlan, microbatches: str
+) -> str:
+    """The run's precision, loss (where a teacher term trains), CPU plan and micro-batches, a line each."""
+    lines = [f"precision: {prec.describe()}"]
+    if objective.uses_teacher:
+        lines.append(f"loss: {spec.describe()}")
+    lines += [f"cpu plan: {plan.describe()}", f"micro-batches: {microbatches}"]
+    return "\n".join(lines)
 
 
 def make_queue(
@@ -490,7 +511,7 @@ def make_queue(
         greedy.temperature = 0.0
         path = Path(cfg.logging.run_dir) / "sft_targets.jsonl"
         # A builder of their own: eval_prompts caches the held-out rows' prompts by the same indices.
-        teacher = PromptBuilder.from_config(loaded.tokenizer, cfg.data, privileged=True)
+        teacher = PromptBuilder(loaded.tokenizer, cfg.data, privileged=True)
         answers = teacher_answers(engine, teacher, d.examples, greedy, path, dist.rank == 0)
     solutions = Solutions(
         loaded.tokenizer, d.examples, cfg.data, limit, target=boxed_target, token_targets=answers
@@ -531,8 +552,8 @@ def load_run(
     needs = objective.needs_answers
     data = load_data(cfg, privileged=privileged, needs_answers=needs, rank=dist.rank, world=dist.world_size)
     tokenizer = models.load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts = PromptBuilder.from_config(tokenizer, cfg.data, privileged=cfg.teacher.privileged)
-    eval_prompts = PromptBuilder.from_config(tokenizer, cfg.data, privileged=True)
+    prompts = PromptBuilder(tokenizer, cfg.data, privileged=cfg.teacher.privileged)
+    eval_prompts = PromptBuilder(tokenizer, cfg.data, privileged=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     coef, limit = cfg.loss.sft_coef, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     anchor = SFTAnchor(coef, tokenizer, data.examples, cfg.data, limit) if coef > 0 else None
@@ -558,7 +579,7 @@ def open_metrics(cfg: Config, parts: RunParts, *, resume: bool, after_step: int)
     def opened() -> MetricsWriter | None:
         if parts.dist.rank:
             return None
-        report = parts.loaded.data.report
+        report = parts.data.report
         return open_run(cfg, Path(cfg.logging.run_dir), report, parts.plan, resume, after_step)
 
     return distributed.run_setup(opened, "run directory setup")

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from opsd.config import CpuTuning, DeviceSetting
+from opsd.config import CpuTuning, DeviceSetting, OptimConfig
 from opsd.cpu import CpuPlan, default_plan
 from opsd.data import DEFAULT_INSTRUCTION
 from opsd.data.batching import pad_right, response_positions
@@ -77,15 +77,15 @@ def sft(
         raise ValueError("sft: no (prompt, response) pairs to train on")
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
-    opt, sched = make_optimizer(
-        params,
+    optim = OptimConfig(
         lr=lr,
         weight_decay=weight_decay,
-        warmup=warmup,
-        total=steps,
-        schedule=schedule,
-        min_ratio=min_lr_ratio,
+        warmup_steps=warmup,
+        max_steps=steps,
+        scheduler=schedule,
+        min_lr_ratio=min_lr_ratio,
     )
+    opt, sched = make_optimizer(params, optim)
     # Widths in buckets where the CPU's bf16 attention keeps a kernel per length (the CPU plan's).
     plan = plan or default_plan(device, autocast_dtype or next(model.parameters()).dtype)
     bucket = plan.bucket_widths
@@ -220,7 +220,7 @@ def add_sft_arguments(p: argparse.ArgumentParser) -> None:
 def run_sft(args: argparse.Namespace) -> int:
     from opsd.config import load_config
     from opsd.cpu import resolve_plan
-    from opsd.data import load_examples
+    from opsd.data import RowKeys, load_examples
     from opsd.devices import resolve_device
     from opsd.eval.cli import flag_overrides
     from opsd.models import load_model, load_tokenizer
@@ -229,7 +229,7 @@ def run_sft(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*flag_overrides(args, SFT_FLAGS), *args.overrides], schema=SFTConfig)
     d, o = cfg.data, cfg.optim
     rep = load_examples(
-        d.path, problem_key=d.problem_key, solution_key=d.solution_key, split=d.split, target_key=d.target_key
+        d.path, RowKeys(problem=d.problem_key, solution=d.solution_key, target=d.target_key), split=d.split
     )
     examples = [replace(ex, solution=ex.target) if ex.target is not None else ex for ex in rep.examples]
     tok = load_tokenizer(cfg.model.path)

@@ -82,47 +82,38 @@ class Trainer:
     ) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.logging.run_dir)
-        self.step_num = 0
-        self.bad_steps = 0
         self.progress_desc = "opsd train"  # the progress bar's label (opsd compare: method and seed)
-        parts = parts or setup.build(cfg, dist, resume=resume, overwrite=overwrite)
-        # Where this rank runs, in which precision, under which CPU plan, with which engine.
-        self.dist = parts.dist
-        self.rank, self.world, self.device = parts.dist.rank, parts.dist.world_size, parts.dist.device
-        self.precision, self.plan, self.engine_kind = parts.precision, parts.plan, parts.engine_kind
-        # What is trained for, and how the held-out answers are graded.
-        self.objective, self.divergence_objective = parts.objective, parts.divergence_objective
-        self.spec, self.skip_end, self.check_lp = parts.spec, parts.skip_end, parts.check_lp
-        self.eval_grader = parts.eval_grader
-        # The rows, the tokenizer, both prompts and the SFT anchor.
-        data, loaded = parts.loaded.data, parts.loaded
-        self.examples, self.cursor, self.eval_examples = data.examples, data.cursor, data.eval_examples
-        self.tokenizer, self.pad_id, self.anchor = loaded.tokenizer, loaded.pad_id, loaded.anchor
-        self.prompts, self.eval_prompts = loaded.prompts, loaded.eval_prompts
-        # The model, its teacher and optimizer, the engine and its queue, the micro-batch loop.
-        self.model, self.teacher, self.params = parts.model, parts.teacher, parts.params
-        self.optimizer, self.scheduler = parts.optimizer, parts.scheduler
-        self.engine, self.queue, self.mb_tokens = parts.engine, parts.queue, parts.mb_tokens
-        self.autocast, self.forward_backward = parts.autocast, parts.forward_backward
-        self.divergence_loss, self.stop = parts.divergence_loss, parts.stop
-        self.eval_sets = parts.eval_sets
+        # Every part, as built; read where used (self.run.model, ...), never copied.
+        self.run = parts or setup.build(cfg, dist, resume=resume, overwrite=overwrite)
         # The initial model's answers to the drift sets, before any step or resume moves it.
-        drift_references(self.eval_sets, self.engine, self.tokenizer, self.answer_logits(), cfg, self.rank)
+        run = self.run
+        drift_references(run.eval_sets, run.engine, run.tokenizer, self.answer_logits(), cfg, run.dist.rank)
         if resume and checkpoint.latest_checkpoint(self.run_dir) is not None:
             self._resume()
-        self.metrics = setup.open_metrics(cfg, parts, resume=resume, after_step=self.step_num)
+        self.metrics = setup.open_metrics(cfg, run, resume=resume, after_step=self.step_num)
+
+    @property
+    def step_num(self) -> int:
+        """Optimizer steps taken (``run.progress``, which checkpoints carry)."""
+        return self.run.progress.step
+
+    @property
+    def bad_steps(self) -> int:
+        """Consecutive steps skipped as non-finite, up to the last one."""
+        return self.run.progress.bad_steps
 
     # ------------------------------------------------------------------------------------------
     # The step
 
     def step(self) -> StepOutputs:
         """One optimizer step of the objective (OPSD by default); :meth:`record` makes its metrics."""
-        timer = metrics.StepTimer.for_step(self.device)
+        run = self.run  # the parts this step runs (opsd.setup.build)
+        timer = metrics.StepTimer.for_step(run.dist.device)
 
         # 1-2. Draw this rank's share of the global batch; roll out n responses to each (with
         # rollout.overlap, requested one step ago and the next step's requested now; objective: sft,
         # each problem's reference solution instead, nothing generated).
-        ex_idx, prompts, completions, lag = self.queue.next(self.step_num, timer)
+        ex_idx, prompts, completions, lag = run.queue.next(self.step_num, timer)
 
         # 3. Splice each response, token for token, after the student prompt and the teacher prompt.
         samples = []
@@ -130,27 +121,27 @@ class Trainer:
             if not c.token_ids:
                 continue
             student, teacher = prompts[c.prompt_index]
-            lp = c.logprobs if self.check_lp else None
+            lp = c.logprobs if run.check_lp else None
             sample = make_sample(student, teacher, c.token_ids, ex_idx[c.prompt_index], c.finish_reason, lp)
             samples.append(sample)
         # What the objective reads from the rollouts as a whole (GRPO: rewards, group advantages).
-        answers = [self.examples[i].answer for i in ex_idx]
-        scores = self.objective.score(completions, answers, self.decode, step=self.step_num)
+        answers = [run.data.examples[i].answer for i in ex_idx]
+        scores = run.objective.score(completions, answers, self.decode, step=self.step_num)
         batches = self.microbatches(samples)
 
         # 4-7. Per micro-batch: the teacher scores the response (Teacher.score, no grad), the student
         # reads it, the fused loss, backward (opsd.microbatch.forward_backward).
-        loss_sum, stats = self.forward_backward(batches, scores, timer=timer)
+        loss_sum, stats = run.forward_backward(batches, scores, timer=timer)
         # 7b. The SFT anchor (loss.sft_coef): the step's reference solutions, end token included.
-        if self.anchor is not None:
+        if run.anchor is not None:
             with timer("student"):
                 solutions = partial(self.microbatches, skip_end=False)
-                loss_sum += self.anchor.backward(self.model, ex_idx, solutions, self.autocast, scores.sums)
+                loss_sum += run.anchor.backward(run.model, ex_idx, solutions, run.autocast, scores.sums)
 
         # 8. Clip, AdamW, schedule, teacher update, weight sync (all skipped if anything is non-finite).
         with timer("optim"):
             loss_sum, grad_norm, finite = self.optimizer_step(loss_sum)
-        self.step_num += 1
+        run.progress.step += 1
         return StepOutputs(
             completions, ex_idx, batches, scores, loss_sum, stats, grad_norm, finite, timer, lag
         )
@@ -159,55 +150,55 @@ class Trainer:
         """Pack this rank's samples into micro-batches within the token budget, weighted by the global
         token and sequence counts, and padded to as many on every rank (FSDP's collectives match).
         ``skip_end``: whether a stopped response's end token weighs 0 (default loss.end_token's)."""
-        skip_end = self.skip_end if skip_end is None else skip_end
+        skip_end = self.run.skip_end if skip_end is None else skip_end
         lens = [loss_tokens(s, skip_end) for s in samples]
         read = sum(n > 0 for n in lens)
         counted = torch.tensor([sum(lens), read], dtype=torch.float64)
         tokens, seqs = distributed.all_reduce_sum(counted).tolist()
         batches = make_microbatches(
             samples,
-            max_tokens=self.mb_tokens,
-            pad_id=self.pad_id,
-            reduction=self.spec.reduction,
+            max_tokens=self.run.mb_tokens,
+            pad_id=self.run.pad_id,
+            reduction=self.run.spec.reduction,
             global_tokens=tokens,
             global_seqs=seqs,
-            device=self.device,
+            device=self.run.dist.device,
             min_real_frac=self.cfg.optim.min_real_token_frac,
-            bucket=self.plan.bucket_widths,
-            pack_from=self.plan.pack_from,
+            bucket=self.run.plan.bucket_widths,
+            pack_from=self.run.plan.pack_from,
             skip_end=skip_end,
         )
-        return pad_microbatches(batches, self.pad_id, self.device)
+        return pad_microbatches(batches, self.run.pad_id, self.run.dist.device)
 
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.run.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def rollout(self, prompts: list[list[int]], *, n: int | None = None, step: int | None = None) -> list:
         """``rollout.n`` (or ``n``) responses per prompt, seeded by step (this one, or ``step``) and rank."""
-        return self.queue.generate(prompts, n=n, step=self.step_num if step is None else step)
+        return self.run.queue.generate(prompts, n=n, step=self.step_num if step is None else step)
 
     @property
     def pending(self):
         """The next step's rollouts, in flight (``rollout.overlap``)."""
-        return self.queue.pending
+        return self.run.queue.pending
 
     def optimizer_step(self, loss_sum: Tensor) -> tuple[Tensor, Tensor, bool]:
         """Clip and step. FSDP summed the gradients over ranks (the loss weights are normalized by global
         token counts); norm and loss are global, so all ranks decide alike. A non-finite loss or gradient
         skips the update but still consumes the batch and advances the LR schedule (same data order and
         schedule)."""
-        grad_norm = clip_grad_norm(self.params, self.cfg.optim.grad_clip or float("inf"))
+        grad_norm = clip_grad_norm(self.run.params, self.cfg.optim.grad_clip or float("inf"))
         loss_sum = distributed.all_reduce_sum(loss_sum)
         finite = bool(torch.isfinite(loss_sum)) and bool(torch.isfinite(grad_norm))
         if finite:
-            self.optimizer.step()
-        self.bad_steps = 0 if finite else self.bad_steps + 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.queue.settle()  # every rollout requested ahead is sampled before the weights move
+            self.run.optimizer.step()
+        self.run.progress.bad_steps = 0 if finite else self.bad_steps + 1
+        self.run.optimizer.zero_grad(set_to_none=True)
+        self.run.scheduler.step()
+        self.run.queue.settle()  # every rollout requested ahead is sampled before the weights move
         if finite:
-            self.teacher.update()
-            self.engine.sync_weights(self.model)
+            self.run.teacher.update()
+            self.run.engine.sync_weights(self.run.model)
         else:
             warnings.warn(
                 f"step {self.step_num + 1}: non-finite loss or gradient norm; update skipped", stacklevel=3
@@ -216,22 +207,22 @@ class Trainer:
 
     def record(self, out: StepOutputs) -> dict:
         """The step's metrics over all ranks (:func:`opsd.metrics.step_metrics`; every rank calls it)."""
-        lr, epoch = self.scheduler.get_last_lr()[0], self.cursor.epoch
+        lr, epoch = self.run.scheduler.get_last_lr()[0], self.run.data.cursor.epoch
         rec, total = metrics.step_metrics(
             out,
             step=self.step_num,
             lr=lr,
-            prompt_truncated=self.prompts.truncated,
+            prompt_truncated=self.run.prompts.truncated,
             epoch=epoch,
-            device=self.device,
-            rank=self.rank,
-            world=self.world,
+            device=self.run.dist.device,
+            rank=self.run.dist.rank,
+            world=self.run.dist.world_size,
         )
         lagging = self.cfg.rollout.overlap or self.cfg.rollout.reuse.refresh_every is not None
         lag = {"policy_lag": out.policy_lag} if lagging else {}
         anchor = {"sft_loss": total["sft_loss"]} if "sft_loss" in total else {}
-        reuse = self.queue.observe(rec)  # rollout.reuse: generated tokens, reused or not
-        return rec | self.objective.metrics(total) | lag | anchor | reuse
+        reuse = self.run.queue.observe(rec)  # rollout.reuse: generated tokens, reused or not
+        return rec | self.run.objective.metrics(total) | lag | anchor | reuse
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -240,37 +231,39 @@ class Trainer:
         """Run to ``optim.max_steps`` (or ``until_step``); checkpoint every K steps and at the end."""
         cfg = self.cfg
         end = min(cfg.optim.max_steps, until_step or cfg.optim.max_steps)
-        if self.step_num >= cfg.optim.max_steps and self.rank == 0:
+        if self.step_num >= cfg.optim.max_steps and self.run.dist.rank == 0:
             print(
                 f"{self.run_dir} is complete: it reached optim.max_steps={cfg.optim.max_steps}. To train "
                 f"further: opsd train --resume {self.run_dir} optim.max_steps=N (N > {self.step_num})",
                 file=sys.stderr,
             )
         history = []
-        rules = StopRules.for_run(cfg, self.run_dir, self.step_num, self.rank)
-        best = BestCheckpoint.for_run(cfg, self.run_dir, self.rank)
-        shown = cfg.logging.progress and self.rank == 0
+        rules = StopRules.for_run(cfg, self.run_dir, self.step_num, self.run.dist.rank)
+        best = BestCheckpoint.for_run(cfg, self.run_dir, self.run.dist.rank)
+        shown = cfg.logging.progress and self.run.dist.rank == 0
         bar = metrics.progress_bar(cfg.optim.max_steps, self.step_num, self.progress_desc, shown, end)
-        self.stop.requested = None
+        self.run.stop.requested = None
         try:
-            with self.stop:
+            with self.run.stop:
                 while self.step_num < end:
                     out = self.step()
-                    self.plan.after_step()
+                    self.run.plan.after_step()
                     rec = self.record(out)
                     if cfg.eval.every and self.step_num % cfg.eval.every == 0:
                         rec.update(self.evaluate().metrics(prefix="eval/"))
                     history.append(rec)
                     if self.metrics is not None:
-                        metrics.log_step(self.metrics, bar, rec, out, self.examples, self.decode, cfg.logging)
+                        metrics.log_step(
+                            self.metrics, bar, rec, out, self.run.data.examples, self.decode, cfg.logging
+                        )
                     self._check_bad_steps()
                     # A signal on any rank, or a guard on rank 0, stops all of them after this step.
-                    if distributed.any_rank(rules.stops(rec, self.stop)):
-                        self.stop.join_peers()
+                    if distributed.any_rank(rules.stops(rec, self.run.stop)):
+                        self.run.stop.join_peers()
                     if self._checkpoint_due(end) and self.bad_steps == 0:
                         best.saved(self.save(), rec)
-                    if self.stop.requested:
-                        rules.say_stopped(self.stop, self.step_num)
+                    if self.run.stop.requested:
+                        rules.say_stopped(self.run.stop, self.step_num)
                         break
         except EngineError as e:  # a rollout server failed: what was saved is intact, say where
             last = checkpoint.latest_checkpoint(self.run_dir) or "none yet"
@@ -297,18 +290,18 @@ class Trainer:
     def _checkpoint_due(self, end: int) -> bool:
         c = self.cfg.checkpoint
         periodic = c.every and self.step_num % c.every == 0
-        return c.enabled and bool(periodic or self.step_num == end or self.stop.requested)
+        return c.enabled and bool(periodic or self.step_num == end or self.run.stop.requested)
 
     @property
     def stopped(self) -> bool:
         """Whether the last ``train()`` ended on a signal."""
-        return self.stop.requested is not None
+        return self.run.stop.requested is not None
 
     def evaluate(self, sets: bool = True) -> Evaluation:
         """Held-out accuracy of the live model (no privileged information), with ``eval.divergence`` the
         held-out divergence, and with ``sets`` every ``eval.sets`` entry (:mod:`opsd.eval.sets`), sharded
         over ranks (every rank calls it)."""
-        accuracy = self.accuracy(self.eval_examples, self.eval_grader)
+        accuracy = self.accuracy(self.run.data.eval_examples, self.run.eval_grader)
         divergence = self.heldout_divergence()["divergence"] if self.cfg.eval.divergence else None
         results = self.evaluate_sets() if sets else {}
         return Evaluation(
@@ -318,60 +311,66 @@ class Trainer:
     def evaluate_sets(self) -> dict[str, SetResult]:
         """Every ``eval.sets`` entry's accuracy, drift and split, by name."""
         phrases, logits = self.cfg.eval.artifacts, self.answer_logits()
-        return {s.name: evaluate_set(s, self.accuracy, logits, phrases) for s in self.eval_sets}
+        return {s.name: evaluate_set(s, self.accuracy, logits, phrases) for s in self.run.eval_sets}
 
     def accuracy(self, examples: list, grader) -> EvalResult:
         """The live model's accuracy on ``examples`` under ``grader``, sharded over ranks."""
         return heldout_accuracy(
-            self.model, self.tokenizer, examples, self.cfg, self.engine, grader, self.rank, self.world
+            self.run.model,
+            self.run.tokenizer,
+            examples,
+            self.cfg,
+            self.run.engine,
+            grader,
+            self.run.dist.rank,
+            self.run.dist.world_size,
         )
 
     def answer_logits(self):
         """Samples to their response-position logits under the live model (made per call: a function
         kept on the trainer would hold it in a reference cycle)."""
-        return logits_of(self.model, self.autocast, self.microbatches)
+        return logits_of(self.run.model, self.run.autocast, self.microbatches)
 
     def evaluate_with_solutions(self, examples: list) -> EvalResult:
         """Greedy accuracy of the live model on ``examples`` (held-out rows with their solutions) with
         each solution in its prompt, the teacher's prompt: the teacher's ceiling (eval.grader)."""
         return solution_accuracy(
-            self.model, self.tokenizer, examples, self.eval_prompts, self.cfg, self.engine, self.eval_grader
+            self.run.model,
+            self.run.tokenizer,
+            examples,
+            self.run.eval_prompts,
+            self.cfg,
+            self.run.engine,
+            self.run.eval_grader,
         )
 
     def heldout_divergence(self) -> dict:
         """The distillation loss's statistics on the held-out problems (:mod:`opsd.eval.heldout`): one
         response each from a seed stream no training step uses, the same at every evaluation."""
         return heldout_divergence(
-            self.model,
-            self.teacher,
-            self.eval_examples,
-            self.eval_prompts,
+            self.run.model,
+            self.run.teacher,
+            self.run.data.eval_examples,
+            self.run.eval_prompts,
             partial(self.rollout, n=1, step=-1),
             self.microbatches,
-            self.divergence_loss,
-            autocast=self.autocast,
-            rank=self.rank,
-            world=self.world,
+            self.run.divergence_loss,
+            autocast=self.run.autocast,
+            rank=self.run.dist.rank,
+            world=self.run.dist.world_size,
         )
 
     # ------------------------------------------------------------------------------------------
     # Checkpoints
 
     def save(self) -> Path:
-        """Every rank calls it: the checkpoint is written together (see :mod:`opsd.checkpoint`)."""
+        """Every rank calls it: the checkpoint is written together (see :mod:`opsd.checkpoint`); what it
+        holds is :meth:`opsd.setup.RunParts.checkpointed`."""
         c = self.cfg.checkpoint
-        shared = {"format": checkpoint.FORMAT, "step": self.step_num, "bad_steps": self.bad_steps}
-        shared |= {"scheduler": self.scheduler.state_dict(), "cursor": self.cursor.state_dict()}
-        mine = {"truncated": self.prompts.state_dict(), "pending": self.queue.state_dict()}
         return checkpoint.save_checkpoint(
             self.run_dir,
             self.step_num,
-            self.model,
-            self.tokenizer,
-            shared,
-            optimizer=self.optimizer,
-            rank_state=mine,
-            tensors=self.teacher.tensors(),
+            self.run.checkpointed(),
             keep_last=c.keep_last,
             save_merged=c.save_merged,
         )
@@ -379,22 +378,16 @@ class Trainer:
     def _resume(self) -> None:
         """Continue exactly, at the checkpoint's number of ranks or another (everything reshards)."""
         ckpt = checkpoint.latest_checkpoint(self.run_dir)
-        checkpoint.check_format(ckpt)
-        seed = distributed.rank_seed(self.cfg.seed, self.rank)
-        tensors = self.teacher.tensors()
-        state, mine = checkpoint.load_checkpoint(ckpt, self.model, self.optimizer, tensors=tensors, seed=seed)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.cursor.load_state_dict(state["cursor"])
-        self.step_num, self.bad_steps = state["step"], state["bad_steps"]
-        self.prompts.load_state_dict(mine.get("truncated", {"student": 0, "teacher": 0}))  # empty: a new rank
-        self.queue.load_state_dict(mine.get("pending"))
-        self.engine.sync_weights(self.model)
-        if self.rank == 0:
+        seed = distributed.rank_seed(self.cfg.seed, self.run.dist.rank)
+        checkpoint.load_checkpoint(ckpt, self.run.checkpointed(), seed=seed)
+        self.run.engine.sync_weights(self.run.model)
+        if self.run.dist.rank == 0:
             print(f"resumed from {ckpt} at step {self.step_num}", file=sys.stderr)
 
     def close(self) -> None:
         """Shut the rollout engine down while the process group still exists (vLLM's teardown uses it);
         call before :func:`opsd.distributed.shutdown`. Safe to call twice."""
-        engine, self.engine = getattr(self, "engine", None), None
-        if engine is not None:
-            engine.close()
+        run = getattr(self, "run", None)
+        if run is not None and run.engine is not None:
+            run.engine.close()
+            run.engine = None

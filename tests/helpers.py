@@ -22,6 +22,7 @@ from opsd import Config, load_config
 from opsd import distributed as D
 from opsd.config import RolloutConfig
 from opsd.rollout import Completion, HFEngine
+from opsd.rollout.base import EngineRun
 from opsd.rollout.make import make_engine
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -294,4 +295,4 @@ class FakeLLM:
 
 def vllm_engine(model, tokenizer, **rollout):
     cfg = RolloutConfig(engine="vllm", batch_size=16, max_new_tokens=6, **rollout)
-    return make_engine(cfg, model, tokenizer, seed=3, max_prompt_len=100)
+    return make_engine(cfg, model, tokenizer, EngineRun(seed=3, max_prompt_len=100))

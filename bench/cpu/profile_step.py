@@ -64,7 +64,8 @@ def main() -> None:
         + ", ".join(f"{p} {rec['time_' + p]:.1f} s" for p in phases)
         + f"; outside generation {1000 * outside / rec['tokens']:.1f} ms per completion token.",
         f"Real-token fraction of the forwards: teacher {rec['real_token_frac_teacher']:.2f}, student "
-        f"{rec['real_token_frac_student']:.2f}; micro-batch budget {trainer.mb_tokens} padded tokens. Peak "
+        f"{rec['real_token_frac_student']:.2f}; micro-batch budget {trainer.run.mb_tokens} padded tokens. "
+        "Peak "
         "RSS of the process (model load and profiler included): "
         f"**{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB**.",
         "",

@@ -205,7 +205,9 @@ RECORD_KEYS = ("loss", "grad_norm", "divergence", "entropy_student", "entropy_te
 
 def _trained(trainer) -> dict[str, torch.Tensor]:
     return {
-        n: p.detach().float().cpu().clone() for n, p in trainer.model.named_parameters() if p.requires_grad
+        n: p.detach().float().cpu().clone()
+        for n, p in trainer.run.model.named_parameters()
+        if p.requires_grad
     }
 
 
@@ -618,10 +620,10 @@ def qwen3_setup(setup: str, root: Path, tiny: bool, out: Path | None, peak: floa
     trainer = Trainer(load_config(None, _qwen3_overrides(setup, root, device, lengths, steps)))
     load_s = time.perf_counter() - t0
     print(f"{setup}: the Trainer built in {load_s:.1f} s", flush=True)
-    shape = model_shape(trainer.model)
+    shape = model_shape(trainer.run.model)
     rep.add(f"{setup} shape", **vars(shape))
     rollout_peak: list[float | None] = []
-    inner = trainer.forward_backward
+    inner = trainer.run.forward_backward
 
     def forward_backward(*a, **k):  # the rollout's peak, then the training phases' own from here on
         rollout_peak.append(_gib(device))
@@ -629,7 +631,7 @@ def qwen3_setup(setup: str, root: Path, tiny: bool, out: Path | None, peak: floa
             torch.cuda.reset_peak_memory_stats()
         return inner(*a, **k)
 
-    trainer.forward_backward = forward_backward
+    trainer.run.forward_backward = forward_backward
     records, batches = [], []
     for _ in range(steps):
         out_ = trainer.step()

@@ -98,7 +98,7 @@ def run_trainer_method(
 def _with_sets(trainer, point: EvalPoint, earlier: list[EvalPoint]) -> EvalPoint:
     """``point`` with every ``eval.sets`` entry evaluated where eval.path's accuracy is a new best (the
     base always): the figures at the step a run picks on eval.path, at no cost where it picks none."""
-    if not trainer.eval_sets or any(p.accuracy >= point.accuracy for p in earlier):
+    if not trainer.run.eval_sets or any(p.accuracy >= point.accuracy for p in earlier):
         return point
     sets = {}
     for name, r in trainer.evaluate_sets().items():
@@ -128,7 +128,7 @@ def _sft_tokens(run_dir: Path) -> int:
 
 def _guard_stop(trainer) -> StopReason | None:
     """The guard that stopped the trainer's last ``train()`` (``str()``: its config key), or None."""
-    why = trainer.stop.requested
+    why = trainer.run.stop.requested
     return why if why is not None and why.kind == "guard" else None
 
 

@@ -147,13 +147,12 @@ def _note_shared_solutions(cfg) -> None:
     """For a method whose teacher reads another row's solution (control B): how many training rows share
     theirs with another row, on stderr; every row with the same one is refused before any method trains."""
     from opsd.data.controls import require_other_solution, shared_text_note
-    from opsd.data.sources import load_examples, take_rows
+    from opsd.data.sources import RowKeys, load_examples, take_rows
 
     d = cfg.data
     loaded = load_examples(
         d.path,
-        problem_key=d.problem_key,
-        solution_key=d.solution_key,
+        RowKeys(problem=d.problem_key, solution=d.solution_key),
         split=d.split,
         skip_bad_rows=d.skip_bad_rows,
         drop_empty_solution=d.drop_empty_solution,

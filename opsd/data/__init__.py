@@ -21,7 +21,7 @@ from opsd.data.prompts import (
     teacher_prompt_ids,
 )
 from opsd.data.sampler import DataCursor
-from opsd.data.sources import FILE_SUFFIXES, Example, LoadReport, load_examples
+from opsd.data.sources import FILE_SUFFIXES, Example, LoadReport, RowKeys, load_examples
 
 if TYPE_CHECKING:
     from opsd.data.batching import (
@@ -45,6 +45,7 @@ __all__ = [
     "LoadReport",
     "MicroBatch",
     "PromptBuilder",
+    "RowKeys",
     "Sample",
     "apply_chat_template_ids",
     "check_alignment",

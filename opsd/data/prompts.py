@@ -193,48 +193,22 @@ class PromptBuilder:
     Truncation is counted once per cached example; ``state_dict`` carries the counts across a resume.
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        *,
-        instruction: str = DEFAULT_INSTRUCTION,
-        teacher_template: str = DEFAULT_TEACHER_TEMPLATE,
-        student_thinking: bool | None = None,
-        teacher_thinking: bool | None = None,
-        max_prompt_len: int | None = None,
-        max_teacher_prompt_len: int | None = None,
-        raw_splice: bool = False,
-        privileged: bool = True,
-    ) -> None:
-        if privileged and not raw_splice:
-            check_teacher_template(teacher_template)
+    def __init__(self, tokenizer: Any, data: Any, privileged: bool = True) -> None:
+        """The ``data`` section's prompt settings (``cfg.data``, an ``opsd.config.DataConfig``, which
+        imports this module's defaults) and ``cfg.teacher.privileged``."""
+        if privileged and not data.raw_splice:
+            check_teacher_template(data.teacher_template)
         self.tokenizer = tokenizer
-        self.instruction = instruction
-        self.teacher_template = teacher_template
-        self.student_thinking = student_thinking
-        self.teacher_thinking = teacher_thinking
-        self.max_prompt_len = max_prompt_len
-        self.max_teacher_prompt_len = max_teacher_prompt_len
-        self.raw_splice = raw_splice
+        self.instruction = data.instruction
+        self.teacher_template = data.teacher_template
+        self.student_thinking = data.student_thinking
+        self.teacher_thinking = data.teacher_thinking
+        self.max_prompt_len = data.max_prompt_len
+        self.max_teacher_prompt_len = data.max_teacher_prompt_len
+        self.raw_splice = data.raw_splice
         self.privileged = privileged
         self._cache: dict[int, tuple[list[int], list[int]]] = {}
         self._truncated = {"student": 0, "teacher": 0}
-
-    @classmethod
-    def from_config(cls, tokenizer: Any, data_cfg: Any, privileged: bool) -> PromptBuilder:
-        """From a ``DataConfig`` (``cfg.data``) and ``cfg.teacher.privileged``."""
-        d = data_cfg
-        return cls(
-            tokenizer,
-            instruction=d.instruction,
-            teacher_template=d.teacher_template,
-            student_thinking=d.student_thinking,
-            teacher_thinking=d.teacher_thinking,
-            max_prompt_len=d.max_prompt_len,
-            max_teacher_prompt_len=d.max_teacher_prompt_len,
-            raw_splice=d.raw_splice,
-            privileged=privileged,
-        )
 
     def __call__(self, example_index: int, example: Example) -> tuple[list[int], list[int]]:
         """Student and teacher prompt ids of the example at ``example_index``."""
@@ -278,5 +252,7 @@ class PromptBuilder:
     def state_dict(self) -> dict[str, int]:
         return dict(self._truncated)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int] | None) -> None:
+        """The counts a checkpoint saved; None (a rank the saving run did not have): none yet."""
+        state = state or {"student": 0, "teacher": 0}
         self._truncated = {"student": int(state["student"]), "teacher": int(state["teacher"])}

@@ -52,36 +52,45 @@ class _BadRow(UserError):
     """A problem confined to one row: skippable with skip_bad_rows=True."""
 
 
+@dataclass(frozen=True)
+class RowKeys:
+    """Which field of a row holds what: the problem (a string, or chat messages), the privileged
+    information (None: there is none, every solution is ""), the gold answer (None: not read) and the
+    SFT target (None: not read; a string every row must have, kept apart from the solution)."""
+
+    problem: str = "problem"
+    solution: str | None = "solution"
+    answer: str | None = None
+    target: str | None = None
+
+
 def load_examples(
     source: str,
+    keys: RowKeys | None = None,
     *,
-    problem_key: str = "problem",
-    solution_key: str | None = "solution",
-    answer_key: str | None = None,
     split: str = "train",
     skip_bad_rows: bool = False,
     drop_empty_solution: bool = False,
     require_answer: bool = False,
-    target_key: str | None = None,
 ) -> LoadReport:
     """Load problems (+ privileged info, + optional gold answer) from a file, a save_to_disk dir or the hub.
 
     source: a .jsonl/.ndjson/.json/.parquet/.csv file, a `datasets` save_to_disk directory (a DatasetDict
     is indexed by `split`), or a hub dataset name, optionally `name:config` (needs network).
-    solution_key=None means there is no privileged information (external-teacher mode): solution = "".
+    ``keys``: which field holds what (default :class:`RowKeys`'s); ``keys.solution=None`` means there is
+    no privileged information (external-teacher mode): solution = "".
     Rows are 0-based (as in `ds[i]`); JSONL errors also give the 1-based line number.
     Nothing is dropped silently: skipped bad rows and dropped empty-solution rows are counted in the
     report and announced with warnings.warn. Text files may start with a UTF-8 byte-order mark.
-    ``target_key``: the field holding each row's SFT target (a string every row must have), kept apart
-    from the privileged ``solution_key`` text.
     Raises UserError for anything wrong with the data or the source name.
     """
-    if drop_empty_solution and solution_key is None:
+    keys = keys or RowKeys()
+    if drop_empty_solution and keys.solution is None:
         raise ValueError(
-            "drop_empty_solution=True needs a solution_key (solution_key=None means every row is empty)"
+            "drop_empty_solution=True needs a solution key (keys.solution=None means every row is empty)"
         )
-    if require_answer and answer_key is None:
-        raise ValueError("require_answer=True needs an answer_key")
+    if require_answer and keys.answer is None:
+        raise ValueError("require_answer=True needs an answer key (keys.answer)")
     source = str(source)
     skipped: list[str] = []
     rows = _read_rows(source, split, skip_bad_rows, skipped)  # list of (row, location, record-or-error)
@@ -96,7 +105,7 @@ def load_examples(
                 record,
                 row,
                 f"{source}: {where}",
-                (problem_key, solution_key, answer_key, target_key),
+                keys,
                 require_answer,
             )
         except _BadRow as err:
@@ -106,9 +115,9 @@ def load_examples(
             if len(skipped) <= _MAX_LOGGED_SKIPS:
                 logger.warning("skipping bad row: %s", err)
             continue
-        if answer_key is not None and ex.answer is None:
+        if keys.answer is not None and ex.answer is None:
             missing_answer += 1
-        if solution_key is not None and not ex.solution.strip():
+        if keys.solution is not None and not ex.solution.strip():
             empty_solution += 1
             if drop_empty_solution:
                 dropped_empty += 1
@@ -124,14 +133,15 @@ def load_examples(
     if empty_solution:
         action = "dropped them" if drop_empty_solution else "pass drop_empty_solution=True to drop them"
         warnings.warn(
-            f"{source}: {empty_solution} of {total} rows have an empty {solution_key!r} (privileged "
+            f"{source}: {empty_solution} of {total} rows have an empty {keys.solution!r} (privileged "
             "information); for those the teacher sees what the student sees and gives almost no "
             f"signal; {action}",
             stacklevel=2,
         )
     if missing_answer:
         warnings.warn(
-            f"{source}: {missing_answer} of {total} rows have no {answer_key!r} (answer = None)", stacklevel=2
+            f"{source}: {missing_answer} of {total} rows have no {keys.answer!r} (answer = None)",
+            stacklevel=2,
         )
     if not examples:
         why = f"; first skipped row: {skipped[0]}" if skipped else ""
@@ -324,11 +334,14 @@ def _row_to_example(
     record: Any,
     row: int,
     where: str,
-    keys: tuple[str, str | None, str | None, str | None],
+    keys: RowKeys,
     require_answer: bool,
 ) -> Example:
     """One row as an :class:`Example`; ``keys``: the problem, solution, answer and target fields."""
-    problem_key, solution_key, answer_key, target_key = keys
+    problem_key = keys.problem
+    solution_key = keys.solution
+    answer_key = keys.answer
+    target_key = keys.target
     if not isinstance(record, dict):
         raise _BadRow(f"{where}: expected a JSON object, got {type(record).__name__}")
 

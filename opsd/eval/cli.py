@@ -23,7 +23,7 @@ from torch import nn
 
 from opsd.config import CpuTuning, DeviceSetting, RolloutConfig
 from opsd.cpu import CpuPlan, apply_plan, resolve_plan
-from opsd.data import DEFAULT_INSTRUCTION, load_examples
+from opsd.data import DEFAULT_INSTRUCTION, RowKeys, load_examples
 from opsd.devices import empty_cache, machine_info, resolve_device
 from opsd.errors import UserError
 from opsd.eval.loop import EvalResult, check_settings, evaluate_model
@@ -31,7 +31,7 @@ from opsd.grading import Grader, as_grade, grade, resolve_grader
 from opsd.models import load_model, load_tokenizer, resolve_model_path
 from opsd.precision import dtype_name
 from opsd.precision import resolve as resolve_precision
-from opsd.rollout.base import RolloutEngine
+from opsd.rollout.base import EngineRun, RolloutEngine
 from opsd.rollout.make import make_engine
 
 
@@ -138,12 +138,7 @@ def evaluate(
     if engine not in ("hf", "vllm"):
         raise UserError(f"engine {engine!r} unknown; allowed: ['hf', 'vllm']")
     report = load_examples(
-        data,
-        problem_key=problem_key,
-        solution_key=None,
-        answer_key=answer_key,
-        split=split,
-        require_answer=True,
+        data, RowKeys(problem=problem_key, solution=None, answer=answer_key), split=split, require_answer=True
     )
     examples = report.examples[:limit] if limit is not None else report.examples
     # Every tokenizer first: a typo in the last model path fails before hours of generating for the first.
@@ -206,15 +201,9 @@ def _load_for_eval(
     hf_model = load_model(name, dtype=dtype_name(compute), device="cpu" if vllm else str(dev))
     if not vllm:
         apply_plan(plan, hf_model.requires_grad_(False), params=0)
-    eng = make_engine(
-        rollout,
-        hf_model,
-        tok,
-        seed=seed,
-        max_prompt_len=max_prompt_len,
-        model_path=str(resolve_model_path(name)) if vllm else None,
-        plan=plan,
-    )
+    path = str(resolve_model_path(name)) if vllm else None
+    run = EngineRun(seed=seed, max_prompt_len=max_prompt_len, model_path=path, plan=plan)
+    eng = make_engine(rollout, hf_model, tok, run=run)
     return hf_model, eng
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from opsd.data import Example, load_examples, make_sample
+from opsd.data import Example, RowKeys, load_examples, make_sample
 from opsd.grading import as_grade, resolve_grader
 
 LOGIT_ROWS = 128  # logit rows at a time: never a [tokens, vocab] block
@@ -69,9 +69,7 @@ def load_sets(cfg, train_answers: list[str | None]) -> list[HeldoutSet]:
     for name, s in cfg.eval.sets.items():
         loaded = load_examples(
             s.path,
-            problem_key=cfg.data.problem_key,
-            solution_key=None,
-            answer_key=cfg.eval.answer_key,
+            RowKeys(problem=cfg.data.problem_key, solution=None, answer=cfg.eval.answer_key),
             require_answer=True,
         )
         examples = loaded.examples[: s.limit]

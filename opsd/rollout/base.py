@@ -8,7 +8,46 @@ the run config. The helpers here are shared by the in-process engines and the HT
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from opsd.config import RolloutConfig
+    from opsd.cpu import CpuPlan
+    from opsd.distributed import Dist
+
+
+@dataclass
+class EngineRun:
+    """What an engine takes from the run besides the ``rollout`` section and the live model: built
+    before it (:func:`opsd.rollout.make.make_engine`).
+
+    ``max_prompt_len`` plus ``max_new_tokens`` (the longest generation asked of the engine, rollouts
+    or held-out evaluation; default rollout.max_new_tokens) sizes vLLM's context when
+    rollout.max_model_len is unset; ``model_path`` is the directory vLLM loads the architecture from
+    (default: where the model was loaded from). ``compute_dtype`` is vLLM's dtype when
+    rollout.vllm_dtype is auto (the trainer's compute dtype, not the float32 of master weights), and
+    the server probe's trainer side; ``autocast_dtype`` makes the HF engine generate under autocast.
+    ``ranks``: this process's place among the trainer's ranks (one engine per rank under torchrun).
+    ``run_dir``: where the weight sync directory defaults to. ``plan``: the trainer's CPU plan (the
+    HF engine's decoding mechanisms, the vLLM engine's KV cache size; None: the device's default)."""
+
+    seed: int = 0
+    max_prompt_len: int | None = None
+    max_new_tokens: int | None = None
+    model_path: str | None = None
+    compute_dtype: torch.dtype | None = None
+    autocast_dtype: torch.dtype | None = None
+    ranks: Dist | None = None
+    run_dir: str | None = None
+    plan: CpuPlan | None = None
+
+    def max_model_len(self, rollout: RolloutConfig) -> int | None:
+        """vLLM's context: rollout.max_model_len, else the longest prompt plus the longest generation."""
+        if rollout.max_model_len is not None or self.max_prompt_len is None:
+            return rollout.max_model_len
+        return self.max_prompt_len + (self.max_new_tokens or rollout.max_new_tokens)
 
 
 @dataclass

@@ -5,54 +5,26 @@ class of its own and a branch here. ``rollout.engine: auto`` is resolved before,
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING
-
-import torch
 
 from opsd.cpu import CpuPlan
 from opsd.errors import UserError
-from opsd.precision import dtype_name
-from opsd.rollout.base import RolloutEngine
+from opsd.rollout.base import EngineRun, RolloutEngine
 from opsd.rollout.hf import HFEngine
 from opsd.rollout.remote import VLLMServerEngine
 from opsd.rollout.vllm import VLLMEngine
 
 if TYPE_CHECKING:
     from opsd.config import RolloutConfig
-    from opsd.distributed import Dist
 
 
 def make_engine(
-    rollout: RolloutConfig,
-    model,
-    tokenizer,
-    *,
-    seed: int,
-    kind: str | None = None,
-    max_prompt_len: int | None = None,
-    max_new_tokens: int | None = None,
-    model_path: str | None = None,
-    compute_dtype: torch.dtype | None = None,
-    autocast_dtype: torch.dtype | None = None,
-    ranks: Dist | None = None,
-    run_dir: str | None = None,
-    plan: CpuPlan | None = None,
+    rollout: RolloutConfig, model, tokenizer, run: EngineRun | None = None, *, kind: str | None = None
 ) -> RolloutEngine:
     """The engine of ``kind`` ("hf", "vllm", "vllm_server"; default ``rollout.engine``, which must then
-    name one) with the rollout config's settings, on `model` (the trainer's live model object).
-
-    `max_prompt_len` plus `max_new_tokens` (the longest generation asked of the engine, rollouts or
-    held-out evaluation; default rollout.max_new_tokens) sizes vLLM's context when
-    rollout.max_model_len is unset; `model_path` is the
-    directory vLLM loads the architecture from (default: where `model` was loaded from).
-    `compute_dtype` is vLLM's dtype when rollout.vllm_dtype is auto (the trainer's compute dtype, not
-    the float32 of master weights); `autocast_dtype` makes the HF engine generate under autocast.
-    `ranks`: this process's place among the trainer's ranks (one engine per rank under torchrun).
-    `plan`: the trainer's CPU plan (the HF engine's decoding mechanisms, the vLLM engine's KV cache
-    size; None: the device's default).
-    """
+    name one) from the rollout section, on ``model`` (the trainer's live model object), with what the
+    run built before it (:class:`~opsd.rollout.base.EngineRun`; default: none of it, seed 0)."""
+    run = run or EngineRun()
     name = kind or rollout.engine
     if name == "hf":
         if rollout.tensor_parallel_size > 1:
@@ -63,47 +35,14 @@ def make_engine(
             model,
             tokenizer,
             batch_size=rollout.batch_size,
-            autocast_dtype=autocast_dtype,
-            plan=plan,
-            fold_lora_bytes=fold_lora_bytes(rollout.fold_lora, plan),
+            autocast_dtype=run.autocast_dtype,
+            plan=run.plan,
+            fold_lora_bytes=fold_lora_bytes(rollout.fold_lora, run.plan),
         )
     if name == "vllm":
-        max_len = rollout.max_model_len
-        if max_len is None and max_prompt_len is not None:
-            max_len = max_prompt_len + (max_new_tokens or rollout.max_new_tokens)
-        return VLLMEngine(
-            model,
-            tokenizer,
-            seed=seed,
-            model_path=model_path,
-            tensor_parallel_size=rollout.tensor_parallel_size,
-            gpu_memory_utilization=rollout.gpu_memory_utilization,
-            dtype=dtype_name(compute_dtype)
-            if rollout.vllm_dtype == "auto" and compute_dtype
-            else rollout.vllm_dtype,
-            max_model_len=max_len,
-            max_num_seqs=rollout.batch_size,
-            sleep_level=rollout.vllm_sleep_level,
-            llm_kwargs=rollout.vllm_kwargs,
-            world_size=ranks.world_size if ranks is not None else None,
-            device=ranks.device if ranks is not None else None,
-            plan=plan,
-        )
+        return VLLMEngine(model, tokenizer, rollout, run)
     if name == "vllm_server":
-        return VLLMServerEngine(
-            model,
-            tokenizer,
-            rollout.servers,
-            sync_dir=rollout.sync_dir or str(Path(run_dir or ".") / "weights-sync"),
-            timeout_s=rollout.server_timeout_s,
-            server_wait_s=rollout.server_wait_s,
-            api_key=os.environ.get("OPSD_VLLM_API_KEY") or None,
-            sync_tolerance=rollout.sync_tolerance,
-            transport=rollout.weight_sync,
-            compute_dtype=compute_dtype,
-            nccl_endpoints=rollout.nccl_endpoints or None,
-            server_world_size=rollout.server_tensor_parallel_size,
-        )
+        return VLLMServerEngine(model, tokenizer, rollout, run)
     if name == "auto":
         raise ValueError("rollout.engine=auto: resolve it first (opsd.config.resolve_engine) and pass kind")
     raise UserError(f"rollout.engine={name!r} unknown; allowed: ['hf', 'vllm', 'vllm_server']")

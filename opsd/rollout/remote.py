@@ -31,14 +31,17 @@ import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from opsd.distributed import first_error, rank_world
 from opsd.errors import EngineError, UserError
-from opsd.rollout.base import Completion, SamplingParams, check_prompts, end_token_ids
+from opsd.rollout.base import Completion, EngineRun, SamplingParams, check_prompts, end_token_ids
+
+if TYPE_CHECKING:
+    from opsd.config import RolloutConfig
 
 PROBE_TOKENS = 8
 PROBE_SIGMAS = 6.0  # the probe's tolerance in units of the rounding model's sigma (probe_tolerance)
@@ -109,22 +112,12 @@ def probe_tolerance(
 class VLLMServerEngine:
     """The RolloutEngine contract over HTTP to ``servers`` (base URLs such as http://127.0.0.1:8000)."""
 
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        servers: list[str],
-        *,
-        sync_dir: str,
-        timeout_s: float = 600.0,
-        api_key: str | None = None,
-        sync_tolerance: float | None = None,
-        server_wait_s: float = 0.0,
-        transport: str = "disk",
-        compute_dtype: torch.dtype | None = None,
-        nccl_endpoints: list[str] | None = None,
-        server_world_size: int = 1,
-    ) -> None:
+    def __init__(self, model, tokenizer, rollout: RolloutConfig, run: EngineRun) -> None:
+        """The ``rollout`` section's servers and weight sync (``OPSD_VLLM_API_KEY``: their API key),
+        on what the run built (``run``: the compute dtype the probe compares against, the run
+        directory the sync directory defaults to under)."""
+        servers = rollout.servers
+        transport = rollout.weight_sync
         if transport == "nccl":
             check_nccl()
         elif transport != "disk":
@@ -134,20 +127,22 @@ class VLLMServerEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.servers = [s.rstrip("/") for s in servers]
-        self.sync_dir = Path(sync_dir)
-        self.timeout_s = timeout_s
-        self.api_key = api_key
+        self.sync_dir = Path(rollout.sync_dir or Path(run.run_dir or ".") / "weights-sync")
+        self.timeout_s = rollout.server_timeout_s
+        self.api_key = os.environ.get("OPSD_VLLM_API_KEY") or None
         self.rank, self.world = rank_world()
         self.syncs = 0
         self.transport = transport
         self._nccl: list[Any] | None = None  # vLLM's trainer-side NCCL engines, one per server, lazily
-        self.nccl_endpoints = nccl_endpoints or [f"127.0.0.1:{29600 + i}" for i in range(len(servers))]
-        self.server_world_size = server_world_size
+        self.nccl_endpoints = rollout.nccl_endpoints or [
+            f"127.0.0.1:{29600 + i}" for i in range(len(servers))
+        ]
+        self.server_world_size = rollout.server_tensor_parallel_size
         self._background = ThreadPoolExecutor(max_workers=1)  # submit(): one rollout batch ahead
         self.last_probe_gap: float | None = None
         # A server still starting is waited for, up to server_wait_s; one that never answers is a user
         # error (one line naming it). Rank 0 asks each for its model.
-        self.server_wait_s = server_wait_s
+        self.server_wait_s = rollout.server_wait_s
         self.model_names = self._on_rank0(self._wait_for_servers, user=True)
         # The dtype each server computes in (None: it does not say) against the trainer's: the probe's
         # tolerance follows from both roundings (probe_tolerance), unless rollout.sync_tolerance is set.
@@ -156,11 +151,10 @@ class VLLMServerEngine:
         config = getattr(base, "config", None)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.layers = int(getattr(text, "num_hidden_layers", None) or 1)
-        if compute_dtype is None:
-            compute_dtype = next(base.parameters()).dtype
+        compute_dtype = run.compute_dtype or next(base.parameters()).dtype
         self.trainer_dtype = str(compute_dtype).removeprefix("torch.")
-        self.fixed_tolerance = sync_tolerance
-        self.tolerances: list[float | None] = [sync_tolerance] * len(self.servers)  # the last probe's
+        self.fixed_tolerance = rollout.sync_tolerance
+        self.tolerances: list[float | None] = [rollout.sync_tolerance] * len(self.servers)  # the last probe's
         self.gaps: list[float | None] = [None] * len(self.servers)  # and its largest difference per server
         self.shapes: list[dict] = [{}] * len(self.servers)  # and probe_tolerance's model quantities
         self.vocab_size = getattr(config, "vocab_size", None)

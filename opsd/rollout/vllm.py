@@ -11,17 +11,28 @@ import random
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from opsd.cpu import CpuPlan, default_plan
+from opsd.cpu import default_plan
 from opsd.devices import empty_cache, rng_devices, vllm_device
 from opsd.distributed import rank_world
 from opsd.errors import UserError
 from opsd.models import fixed_weight_names, merged_weight_names, merged_weights
-from opsd.rollout.base import Completion, SamplesOnSubmit, SamplingParams, check_prompts, end_token_ids
+from opsd.precision import dtype_name
+from opsd.rollout.base import (
+    Completion,
+    EngineRun,
+    SamplesOnSubmit,
+    SamplingParams,
+    check_prompts,
+    end_token_ids,
+)
+
+if TYPE_CHECKING:
+    from opsd.config import RolloutConfig
 
 log = logging.getLogger(__name__)
 
@@ -180,36 +191,21 @@ class VLLMEngine(SamplesOnSubmit):
     step sends none). Sleep mode exists on CUDA/ROCm/XPU only; elsewhere sleep() and wake() do nothing.
     """
 
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        *,
-        seed: int,
-        model_path: str | None = None,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int | None = None,
-        sleep_level: int = 2,
-        llm_kwargs: Mapping[str, Any] | None = None,
-        world_size: int | None = None,
-        device: torch.device | None = None,
-        plan: CpuPlan | None = None,
-    ) -> None:
+    def __init__(self, model, tokenizer, rollout: RolloutConfig, run: EngineRun) -> None:
+        """The ``rollout`` section's vLLM settings, on what the run built (``run``)."""
+        sleep_level = rollout.vllm_sleep_level
         if sleep_level not in (0, 1, 2):
             raise UserError(f"rollout.vllm_sleep_level={sleep_level} must be 0 (off), 1 or 2")
         vllm = _import_vllm()
         from vllm.platforms import current_platform
 
-        tp = tensor_parallel_size
+        tp = rollout.tensor_parallel_size
         # The trainer's ranks (opsd.distributed.Dist); without them, the process group's.
-        world = world_size if world_size is not None else rank_world()[1]
+        world = run.ranks.world_size if run.ranks is not None else rank_world()[1]
         _check_ranks(world, tp)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = getattr(base, "config", None)
-        path = model_path or getattr(config, "_name_or_path", None)
+        path = run.model_path or getattr(config, "_name_or_path", None)
         if not path:
             raise UserError(
                 "the vLLM engine loads the architecture from the model's directory, and this model "
@@ -218,17 +214,21 @@ class VLLMEngine(SamplesOnSubmit):
         if sleep_level and not current_platform.is_sleep_mode_available():
             log.warning("vLLM has no sleep mode on this platform; the engine keeps its memory")
             sleep_level = 0
-        if dtype == "auto":
-            dtype = str(getattr(base, "dtype", torch.float32)).removeprefix("torch.")
+        dtype = rollout.vllm_dtype
+        if dtype == "auto":  # the trainer's compute dtype, else the model's
+            dtype = dtype_name(run.compute_dtype or getattr(base, "dtype", torch.float32))
         log.info("vLLM engine: %s, dtype %s, sleep level %d", path, dtype, sleep_level)
         self._join_group(world, tp)
         self.model, self.tokenizer = model, tokenizer
         self.sleep_level, self.asleep, self._reload_on_wake = sleep_level, False, False
         self.vocab_size = getattr(config, "vocab_size", None)
-        self._device = vllm_device(device)
+        self._device = vllm_device(run.ranks.device if run.ranks is not None else None)
         # The CPU plan's (by default this device's): a KV cache sized to the batch on a CPU.
-        plan = plan if plan is not None else default_plan(self._device, None, engine="vllm")
-        user = dict(llm_kwargs or {})
+        plan = run.plan if run.plan is not None else default_plan(self._device, None, engine="vllm")
+        user = dict(rollout.vllm_kwargs or {})
+        gpu_memory_utilization = rollout.gpu_memory_utilization
+        max_num_seqs = rollout.batch_size
+        max_model_len = run.max_model_len(rollout)
         sized = plan.engine_settings().vllm_kwargs(
             config,
             dtype,
@@ -246,7 +246,7 @@ class VLLMEngine(SamplesOnSubmit):
             dtype=dtype,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
-            seed=seed,
+            seed=run.seed,
             enable_sleep_mode=sleep_level > 0,
             logprobs_mode="processed_logprobs",  # log-probs of the distribution actually sampled
         )

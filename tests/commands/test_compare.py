@@ -273,9 +273,9 @@ def test_tuning_never_reads_a_reported_seeds_heldout_set(assets, tmp_path, monke
 
     real = setup_mod.load_examples
 
-    def spy(path, **k):
+    def spy(path, *a, **k):
         read.append(str(path))
-        return real(path, **k)
+        return real(path, *a, **k)
 
     monkeypatch.setattr(setup_mod, "load_examples", spy)
     out = tmp_path / "cmp"

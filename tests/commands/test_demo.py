@@ -11,13 +11,13 @@ from demo_small import SMALL, small_demo_settings
 from helpers import ROOT
 
 from opsd.cli import main
-from opsd.data import load_examples
+from opsd.data import RowKeys, load_examples
 from opsd.demo import base, compare, task
 from opsd.demo import cli as demo_cli
 from opsd.demo import run as demo_run
 from opsd.errors import UserError
 from opsd.grading import Grade
-from opsd.metrics import LOSS_STAT_KEYS, step_record
+from opsd.metrics import LOSS_STAT_KEYS, StepFigures, step_record
 
 # ----------------------------------------------------------------------------------------------
 # Generator
@@ -75,7 +75,7 @@ def test_rows_load_with_the_training_data_loader(tmp_path):
     rows = task.make_rows(20, seed=0, digits=3)
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rep = load_examples(str(path), answer_key="answer", require_answer=True)
+    rep = load_examples(str(path), RowKeys(answer="answer"), require_answer=True)
     assert [(e.problem, e.solution, e.answer) for e in rep.examples] == [
         (r["problem"], r["solution"], r["answer"]) for r in rows
     ]
@@ -260,22 +260,24 @@ def test_plot_uses_the_report_plotting(tmp_path):
     lines = []
     for step in range(1, 4):
         rec = step_record(
-            step=step,
-            loss=1.0 / step,
-            loss_stats={k: 0.5 / step for k in LOSS_STAT_KEYS},
-            grad_norm=1.0,
-            lr=1e-3,
-            response_lens=[17],
-            truncated=0,
-            tokens=17,
-            real_tokens={"teacher": 1, "student": 1},
-            padded_tokens={"teacher": 1, "student": 1},
-            skipped=False,
-            prompt_truncated={"teacher": 0, "student": 0},
-            epoch=0,
-            times={},
-            elapsed=1.0,
-            peak_mem_gb=0.0,
+            StepFigures(
+                step=step,
+                loss=1.0 / step,
+                loss_stats={k: 0.5 / step for k in LOSS_STAT_KEYS},
+                grad_norm=1.0,
+                lr=1e-3,
+                response_lens=[17],
+                truncated=0,
+                tokens=17,
+                real_tokens={"teacher": 1, "student": 1},
+                padded_tokens={"teacher": 1, "student": 1},
+                skipped=False,
+                prompt_truncated={"teacher": 0, "student": 0},
+                epoch=0,
+                times={},
+                elapsed=1.0,
+                peak_mem_gb=0.0,
+            )
         )
         lines.append(json.dumps(rec))
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")

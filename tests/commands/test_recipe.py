@@ -17,7 +17,7 @@ from qwen3_tiny import ASSISTANT_TURN, EMPTY_THINK_BLOCK, save_qwen3_assets
 import opsd.eval.cli as eval_cli
 from opsd import Trainer, load_config
 from opsd.cli import main
-from opsd.data import load_examples
+from opsd.data import RowKeys, load_examples
 from opsd.eval import EvalResult
 from opsd.eval.cli import EvalCommandConfig
 
@@ -67,13 +67,15 @@ def test_the_recipe_runs_one_step_on_a_tiny_model(tmp_path):
     assert cfg.model.lora == recipe.model.lora and cfg.model.dtype == "bfloat16"
     assert (cfg.rollout.temperature, cfg.rollout.top_k, cfg.optim.lr) == (1.1, 20, 5e-6)
     tr = Trainer(cfg)
-    before = [p.detach().clone() for p in tr.params]
+    before = [p.detach().clone() for p in tr.run.params]
     hist = tr.train()
     assert len(hist) == 1 and torch.isfinite(torch.tensor(hist[0]["loss"]))
-    assert any(not torch.equal(a, p) for a, p in zip(before, tr.params, strict=True)), "nothing trained"
-    s_ids, t_ids = next(iter(tr.prompts._cache.values()))
-    assert tr.tokenizer.decode(s_ids).endswith(ASSISTANT_TURN + EMPTY_THINK_BLOCK)  # student: thinking off
-    assert tr.tokenizer.decode(t_ids).endswith(ASSISTANT_TURN)  # teacher: thinking on
+    assert any(not torch.equal(a, p) for a, p in zip(before, tr.run.params, strict=True)), "nothing trained"
+    s_ids, t_ids = next(iter(tr.run.prompts._cache.values()))
+    assert tr.run.tokenizer.decode(s_ids).endswith(
+        ASSISTANT_TURN + EMPTY_THINK_BLOCK
+    )  # student: thinking off
+    assert tr.run.tokenizer.decode(t_ids).endswith(ASSISTANT_TURN)  # teacher: thinking on
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(m.get("step") == 1 for m in metrics)
 
@@ -98,9 +100,7 @@ def test_eval_data_has_the_keys_the_configs_read(name):
     cfg = load_config(EVAL_CONFIGS[name], schema=EvalCommandConfig)
     rep = load_examples(
         str(path),
-        problem_key=cfg.data.problem_key,
-        solution_key=None,
-        answer_key=cfg.data.answer_key,
+        RowKeys(problem=cfg.data.problem_key, solution=None, answer=cfg.data.answer_key),
         require_answer=True,
     )
     assert len(rep.examples) == 30

@@ -12,7 +12,7 @@ from PIL import Image
 import opsd.report as report_mod
 from opsd.cli import main
 from opsd.errors import UserError
-from opsd.metrics import OPTIONAL_KEYS, STEP_KEYS, TIME_KEYS, step_record
+from opsd.metrics import OPTIONAL_KEYS, STEP_KEYS, TIME_KEYS, StepFigures, step_record
 from opsd.records import write_best
 from opsd.report import (
     PLOTS,
@@ -31,30 +31,32 @@ def _train_record(step: int, loss: float) -> dict:
     """A metrics.jsonl line as the trainer writes it (opsd.metrics.step_record), so the keys are the
     contract."""
     return step_record(
-        step=step,
-        loss=loss,
-        loss_stats={
-            "divergence": loss / 2,
-            "clip_frac": 0.1,
-            "entropy_student": 1.5,
-            "entropy_teacher": 1.2,
-            "agreement": 0.8,
-            "overlap_mass": 0.9,
-        },
-        grad_norm=0.7,
-        lr=1e-5,
-        response_lens=[100 + step, 256],
-        truncated=0,
-        tokens=900,
-        real_tokens={"teacher": 90, "student": 90},
-        padded_tokens={"teacher": 100, "student": 100},
-        skipped=False,
-        prompt_truncated={"teacher": 0, "student": 0},
-        epoch=0,
-        times={"rollout": 0.5, "teacher": 0.15, "student": 0.25, "loss": 0.05, "optim": 0.05},
-        elapsed=1.0,
-        peak_mem_gb=3.2,
-        repetition=0.05 * step,
+        StepFigures(
+            step=step,
+            loss=loss,
+            loss_stats={
+                "divergence": loss / 2,
+                "clip_frac": 0.1,
+                "entropy_student": 1.5,
+                "entropy_teacher": 1.2,
+                "agreement": 0.8,
+                "overlap_mass": 0.9,
+            },
+            grad_norm=0.7,
+            lr=1e-5,
+            response_lens=[100 + step, 256],
+            truncated=0,
+            tokens=900,
+            real_tokens={"teacher": 90, "student": 90},
+            padded_tokens={"teacher": 100, "student": 100},
+            skipped=False,
+            prompt_truncated={"teacher": 0, "student": 0},
+            epoch=0,
+            times={"rollout": 0.5, "teacher": 0.15, "student": 0.25, "loss": 0.05, "optim": 0.05},
+            elapsed=1.0,
+            peak_mem_gb=3.2,
+            repetition=0.05 * step,
+        )
     )
 
 

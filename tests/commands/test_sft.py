@@ -37,8 +37,8 @@ def test_sft_follows_the_shared_schedule(tiny_model, tiny_tokenizer, monkeypatch
     opt_holder = {}
     real = opsd.sft.make_optimizer
 
-    def spy(params, **kw):
-        opt_holder["opt"], sched = real(params, **kw)
+    def spy(params, optim):
+        opt_holder["opt"], sched = real(params, optim)
         return opt_holder["opt"], sched
 
     monkeypatch.setattr(opsd.sft, "make_optimizer", spy)

@@ -21,6 +21,7 @@ from opsd.data import (
     Example,
     MicroBatch,
     PromptBuilder,
+    RowKeys,
     Sample,
     check_alignment,
     load_examples,
@@ -47,10 +48,10 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def load_quiet(source, **kw):
+def load_quiet(source, keys=None, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return load_examples(str(source), **kw)
+        return load_examples(str(source), keys, **kw)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def test_every_source_kind_loads(tmp_path: Path, kind: str) -> None:
     else:
         src = tmp_path / "saved_dict"
         datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(src))
-    _check_rows(load_examples(str(src), answer_key="answer"), src)
+    _check_rows(load_examples(str(src), RowKeys(answer="answer")), src)
 
 
 def test_saved_dataset_dict_split(tmp_path: Path) -> None:
@@ -113,14 +114,14 @@ def test_csv_keeps_text_and_multiline_values(tmp_path: Path) -> None:
         {"problem": "Line one\nline two, with a comma", "solution": 'He said "hi".\nDone.', "answer": "007"}
     ]
     datasets.Dataset.from_list(rows).to_csv(str(tmp_path / "d.csv"), index=False)
-    ex = load_examples(str(tmp_path / "d.csv"), answer_key="answer").examples[0]
+    ex = load_examples(str(tmp_path / "d.csv"), RowKeys(answer="answer")).examples[0]
     assert (ex.problem, ex.solution, ex.answer) == (rows[0]["problem"], rows[0]["solution"], "007")
 
 
 def test_messages_problem(tmp_path: Path) -> None:
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1 + 1?"}]
     src = write_jsonl(tmp_path / "d.jsonl", [{"messages": msgs, "solution": "2"}])
-    ex = load_examples(str(src), problem_key="messages").examples[0]
+    ex = load_examples(str(src), RowKeys(problem="messages")).examples[0]
     assert ex.problem == msgs
 
 
@@ -129,7 +130,7 @@ def test_messages_problem_from_parquet(tmp_path: Path) -> None:
 
     msgs = [{"role": "user", "content": "What is 1 + 1?"}]
     datasets.Dataset.from_list([{"messages": msgs, "solution": "2"}]).to_parquet(str(tmp_path / "m.parquet"))
-    assert load_examples(str(tmp_path / "m.parquet"), problem_key="messages").examples[0].problem == msgs
+    assert load_examples(str(tmp_path / "m.parquet"), RowKeys(problem="messages")).examples[0].problem == msgs
 
 
 @pytest.mark.parametrize(
@@ -144,7 +145,7 @@ def test_messages_problem_from_parquet(tmp_path: Path) -> None:
 def test_bad_messages_shape(tmp_path: Path, messages: list, match: str) -> None:
     src = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages, "solution": "s"}])
     with pytest.raises(ValueError, match=match):
-        load_examples(str(src), problem_key="messages")
+        load_examples(str(src), RowKeys(problem="messages"))
 
 
 def test_numeric_answers_become_strings_and_gsm8k_raw(tmp_path: Path) -> None:
@@ -155,7 +156,7 @@ def test_numeric_answers_become_strings_and_gsm8k_raw(tmp_path: Path) -> None:
         {"question": "q4", "answer": "She makes 9 * 2 = 18.\n#### 18"},
     ]
     src = write_jsonl(tmp_path / "gsm.jsonl", rows)
-    report = load_examples(str(src), problem_key="question", solution_key=None, answer_key="answer")
+    report = load_examples(str(src), RowKeys(problem="question", solution=None, answer="answer"))
     assert [e.answer for e in report.examples] == ["72", "3", "0.5", "She makes 9 * 2 = 18.\n#### 18"]
     # solution_key=None: external-teacher mode, no privileged info and no empty-solution warning
     assert all(e.solution == "" for e in report.examples)
@@ -262,9 +263,9 @@ def test_utf8_byte_order_mark_is_tolerated(tmp_path: Path, kind: str) -> None:
         text = "".join(json.dumps(r) + "\n" for r in ROWS)
     src.write_text(text, encoding="utf-8-sig")
     assert src.read_bytes().startswith(b"\xef\xbb\xbf")
-    _check_rows(load_examples(str(src), answer_key="answer"), src)
+    _check_rows(load_examples(str(src), RowKeys(answer="answer")), src)
     # the first row is a good row, not a bad one to skip
-    _check_rows(load_examples(str(src), answer_key="answer", skip_bad_rows=True), src)
+    _check_rows(load_examples(str(src), RowKeys(answer="answer"), skip_bad_rows=True), src)
 
 
 def test_config_and_data_imports_stay_light() -> None:
@@ -312,7 +313,7 @@ def test_non_string_value_names_key_and_type(tmp_path: Path) -> None:
         load_examples(str(src))
     src = write_jsonl(tmp_path / "f.jsonl", [{"problem": "p", "solution": "s", "answer": [1]}])
     with pytest.raises(ValueError, match="field 'answer' must be a string or a number, got list"):
-        load_examples(str(src), answer_key="answer")
+        load_examples(str(src), RowKeys(answer="answer"))
 
 
 @pytest.mark.parametrize("name", ["e.jsonl", "e.json", "e.csv", "e.parquet"])
@@ -363,10 +364,10 @@ def test_skip_bad_rows_counts_every_kind(tmp_path: Path) -> None:
         ROWS[1],
     ]
     src = write_jsonl(tmp_path / "d.jsonl", rows)
-    report = load_quiet(src, skip_bad_rows=True, answer_key="answer", require_answer=True)
+    report = load_quiet(src, RowKeys(answer="answer"), skip_bad_rows=True, require_answer=True)
     assert report.skipped_bad == 6
     assert [e.row for e in report.examples] == [0, 7]
-    report = load_quiet(src, skip_bad_rows=True, answer_key="answer")  # answer optional now
+    report = load_quiet(src, RowKeys(answer="answer"), skip_bad_rows=True)  # answer optional now
     assert report.skipped_bad == 4
     assert [e.answer for e in report.examples] == ["5", None, None, "24"]
 
@@ -376,9 +377,9 @@ def test_require_answer_without_skip_raises(tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match=r"missing field 'answer'; available keys: \['problem', 'solution'\]"
     ):
-        load_examples(str(src), answer_key="answer", require_answer=True)
+        load_examples(str(src), RowKeys(answer="answer"), require_answer=True)
     with pytest.warns(UserWarning, match="1 of 1 rows have no 'answer'"):
-        assert load_examples(str(src), answer_key="answer").examples[0].answer is None
+        assert load_examples(str(src), RowKeys(answer="answer")).examples[0].answer is None
 
 
 def test_all_rows_bad_is_an_error_even_when_skipping(tmp_path: Path) -> None:
@@ -411,7 +412,7 @@ def test_empty_solution_warns_with_count_and_drop(tmp_path: Path) -> None:
 
 def test_conflicting_options() -> None:
     with pytest.raises(ValueError, match="drop_empty_solution"):
-        load_examples("x.jsonl", solution_key=None, drop_empty_solution=True)
+        load_examples("x.jsonl", RowKeys(solution=None), drop_empty_solution=True)
     with pytest.raises(ValueError, match="require_answer"):
         load_examples("x.jsonl", require_answer=True)
 
@@ -655,7 +656,7 @@ def test_prompt_builder_matches_the_trainer(qwen_tok, case: dict, privileged: bo
 
     cfg = DataConfig(path="x.jsonl", **case)
     d = cfg.model_dump()
-    builder = PromptBuilder.from_config(qwen_tok, cfg, privileged)
+    builder = PromptBuilder(qwen_tok, cfg, privileged)
     want_cut = {"student": 0, "teacher": 0}
     for i, ex in enumerate(BUILDER_EXAMPLES):
         s_ids, t_ids, s_cut, t_cut = _trainer_prompts(qwen_tok, d, privileged, ex)
@@ -676,26 +677,30 @@ def test_prompt_builder_matches_the_trainer(qwen_tok, case: dict, privileged: bo
         "max_teacher_prompt_len",
         "raw_splice",
     )
-    explicit = PromptBuilder(qwen_tok, privileged=privileged, **{k: d[k] for k in keys})
+    explicit = PromptBuilder(qwen_tok, DataConfig(path="x.jsonl", **{k: d[k] for k in keys}), privileged)
     assert [explicit(i, ex) for i, ex in enumerate(BUILDER_EXAMPLES)] == [
         builder(i, ex) for i, ex in enumerate(BUILDER_EXAMPLES)
     ]
 
 
 def test_prompt_builder_truncation_state(tok) -> None:
-    builder = PromptBuilder(tok, max_prompt_len=200, max_teacher_prompt_len=400)
+    from opsd.config import DataConfig
+
+    limits = DataConfig(path="x.jsonl", max_prompt_len=200, max_teacher_prompt_len=400)
+    builder = PromptBuilder(tok, limits)
     builder(1, BUILDER_EXAMPLES[1])
     state = json.loads(json.dumps(builder.state_dict()))  # plain ints, as a checkpoint stores them
     assert state == builder.truncated == {"student": 1, "teacher": 1}
     builder.truncated["student"] = 99  # a copy: the counts change only through the builder
     assert builder.truncated["student"] == 1
-    fresh = PromptBuilder(tok, max_prompt_len=200, max_teacher_prompt_len=400)
+    fresh = PromptBuilder(tok, limits)
     fresh.load_state_dict(state)
     fresh(0, BUILDER_EXAMPLES[0])
     assert fresh.truncated == {"student": 1, "teacher": 1}
     with pytest.raises(UserError, match=r"must contain the field \{solution\}"):
-        PromptBuilder(tok, teacher_template="{problem} {instruction}")
-    PromptBuilder(tok, teacher_template="{problem}", privileged=False)  # the template is unused then
+        PromptBuilder(tok, DataConfig.model_construct(teacher_template="{problem} {instruction}"))
+    unused = DataConfig.model_construct(teacher_template="{problem}")
+    PromptBuilder(tok, unused, privileged=False)  # the template is unused then
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -966,14 +971,14 @@ def test_shared_math_and_gsm8k() -> None:
         pytest.skip(f"{SHARED_DATA} not present")
     path = str(SHARED_DATA / "math_train.jsonl")
     with pytest.warns(UserWarning, match="4 of 7500 rows have no 'answer'"):
-        math = load_examples(path, answer_key="answer")  # two MATH rows have a null answer, two ""
+        math = load_examples(path, RowKeys(answer="answer"))  # two MATH rows have a null answer, two ""
     assert len(math.examples) == 7500 and sum(e.answer is None for e in math.examples) == 4
-    math = load_quiet(path, answer_key="answer", require_answer=True, skip_bad_rows=True)
+    math = load_quiet(path, RowKeys(answer="answer"), require_answer=True, skip_bad_rows=True)
     assert len(math.examples) == 7496 and math.skipped_bad == 4
     assert all(e.solution and e.answer for e in math.examples)
     assert "\\boxed" in math.examples[0].solution
     gsm = load_examples(
-        str(SHARED_DATA / "gsm8k_test.jsonl"), problem_key="question", solution_key=None, answer_key="answer"
+        str(SHARED_DATA / "gsm8k_test.jsonl"), RowKeys(problem="question", solution=None, answer="answer")
     )
     assert len(gsm.examples) == 1319 and "####" in gsm.examples[0].answer
 

@@ -54,12 +54,12 @@ def test_objective_sft_trains_on_the_target_and_never_on_the_solution(assets, tm
     cfg = make_cfg(assets, tmp_path / "run", objective="sft", **{"data.target_key": "target"})
     trainer = Trainer(cfg)
     try:
-        tok, solutions = trainer.tokenizer, trainer.queue.solutions
+        tok, solutions = trainer.run.tokenizer, trainer.run.queue.solutions
         for i, row in enumerate(ROWS):
             prompt, response = solutions.pair(i)
             assert (prompt, response) == _target_pair(tok, row, cfg)
             assert "WORKED" not in tok.decode(prompt + response)
-        ex_idx, prompts, completions, _ = trainer.queue.next(1, lambda name: nullcontext())
+        ex_idx, prompts, completions, _ = trainer.run.queue.next(1, lambda name: nullcontext())
         assert len(ex_idx) == cfg.rollout.prompts_per_step
         for i, (student, teacher), c in zip(ex_idx, prompts, completions):
             assert student == teacher == _student_prompt(tok, ROWS[i]["problem"], cfg)
@@ -75,10 +75,10 @@ def test_the_sft_anchor_trains_on_the_target(assets, tmp_path) -> None:
     cfg = make_cfg(assets, tmp_path / "run", **over)
     trainer = Trainer(cfg)
     try:
-        tok = trainer.tokenizer
+        tok = trainer.run.tokenizer
         for i, row in enumerate(ROWS):
-            assert trainer.anchor.pair(i) == _target_pair(tok, row, cfg)
-        teacher = tok.decode(trainer.prompts(0, trainer.examples[0])[1])
+            assert trainer.run.anchor.pair(i) == _target_pair(tok, row, cfg)
+        teacher = tok.decode(trainer.run.prompts(0, trainer.run.data.examples[0])[1])
         assert ROWS[0]["solution"] in teacher  # what the target is kept apart from
     finally:
         trainer.close()
@@ -139,21 +139,21 @@ def test_context_distillation_generates_with_the_solution_and_trains_without_it(
     cfg = make_cfg(assets, tmp_path / "run", objective="sft", **over)
     trainer = Trainer(cfg)
     try:
-        tok = trainer.tokenizer
+        tok = trainer.run.tokenizer
         ((prompts, n, params, completions),) = engines[0].calls
-        builder = PromptBuilder.from_config(tok, cfg.data, privileged=True)
-        assert prompts == [builder(i, ex)[1] for i, ex in enumerate(trainer.examples)]
+        builder = PromptBuilder(tok, cfg.data, privileged=True)
+        assert prompts == [builder(i, ex)[1] for i, ex in enumerate(trainer.run.data.examples)]
         assert all(row["solution"] in tok.decode(p) for row, p in zip(ROWS, prompts))
         assert n == 1 and params.temperature == 0.0
         generated = {c.prompt_index: list(c.token_ids) for c in completions}
         assert sorted(generated) == list(range(len(ROWS))) and all(generated.values())
         for i, row in enumerate(ROWS):
-            prompt, response = trainer.queue.solutions.pair(i)
+            prompt, response = trainer.run.queue.solutions.pair(i)
             assert prompt == _student_prompt(tok, row["problem"], cfg)
             assert "WORKED" not in tok.decode(prompt)
             assert response == generated[i]  # max_new_tokens ids at most: nothing to cut
         reasons = {c.prompt_index: c.finish_reason for c in completions}
-        ex_idx, _, queued, _ = trainer.queue.next(1, lambda name: nullcontext())
+        ex_idx, _, queued, _ = trainer.run.queue.next(1, lambda name: nullcontext())
         for i, c in zip(ex_idx, queued):  # a stopped answer ends on its end token, a cut one is marked
             assert c.token_ids == generated[i] and c.finish_reason == reasons[i]
         cached = [json.loads(x) for x in (tmp_path / "run" / "sft_targets.jsonl").read_text().splitlines()]
@@ -164,7 +164,7 @@ def test_context_distillation_generates_with_the_solution_and_trains_without_it(
     resumed = Trainer(cfg, resume=True)
     try:
         assert engines[1].calls == []  # read back, not generated again
-        assert [resumed.queue.solutions.pair(i)[1] for i in range(len(ROWS))] == [
+        assert [resumed.run.queue.solutions.pair(i)[1] for i in range(len(ROWS))] == [
             generated[i] for i in range(len(ROWS))
         ]
     finally:
@@ -181,8 +181,8 @@ def test_the_teacher_answers_leave_the_heldout_prompts_alone(assets, tmp_path) -
     cfg = make_cfg(assets, tmp_path / "run", objective="sft", **over)
     trainer = Trainer(cfg)
     try:
-        fresh = PromptBuilder.from_config(trainer.tokenizer, cfg.data, privileged=True)
-        for i, ex in enumerate(trainer.eval_examples):
-            assert trainer.eval_prompts(i, ex) == fresh(i, ex)
+        fresh = PromptBuilder(trainer.run.tokenizer, cfg.data, privileged=True)
+        for i, ex in enumerate(trainer.run.data.eval_examples):
+            assert trainer.run.eval_prompts(i, ex) == fresh(i, ex)
     finally:
         trainer.close()

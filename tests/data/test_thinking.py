@@ -92,7 +92,7 @@ def test_prompt_builder_gives_each_side_its_own_thinking(tok, student, teacher):
         None,
         ["data.path=x.jsonl", f"data.student_thinking={student}", f"data.teacher_thinking={teacher}"],
     )
-    build = PromptBuilder.from_config(tok, cfg.data, privileged=True)
+    build = PromptBuilder(tok, cfg.data, privileged=True)
     s_ids, t_ids = build(0, Example(ROWS[0]["problem"], ROWS[0]["solution"], ROWS[0]["answer"], 0))
     s_text, t_text = _text(tok, s_ids), _text(tok, t_ids)
     assert s_text.endswith(EMPTY_THINK_BLOCK) is (not student)
@@ -172,8 +172,8 @@ def test_a_train_step_with_the_qwen3_template(tmp_path, student):
     tr = Trainer(cfg)
     hist = tr.train()
     assert len(hist) == 1 and torch.isfinite(torch.tensor(hist[0]["loss"]))
-    assert tr.prompts._cache, "no prompt was built"
-    for s_ids, t_ids in tr.prompts._cache.values():
-        s_text, t_text = _text(tr.tokenizer, s_ids), _text(tr.tokenizer, t_ids)
+    assert tr.run.prompts._cache, "no prompt was built"
+    for s_ids, t_ids in tr.run.prompts._cache.values():
+        s_text, t_text = _text(tr.run.tokenizer, s_ids), _text(tr.run.tokenizer, t_ids)
         assert s_text.endswith(ASSISTANT_TURN + ("" if student else EMPTY_THINK_BLOCK))
         assert t_text.endswith(ASSISTANT_TURN) and "BEGIN REFERENCE SOLUTION" in _user_turn(t_text)

@@ -11,7 +11,7 @@ import torch
 from helpers import SHARED_DATA
 
 from opsd.cli import main
-from opsd.data import Example, load_examples, student_prompt_ids
+from opsd.data import Example, RowKeys, load_examples, student_prompt_ids
 from opsd.errors import UserError
 from opsd.eval import EvalResult, add_eval_arguments, evaluate, evaluate_model, format_eval_table, run_eval
 from opsd.grading import GRADERS, Grade
@@ -214,7 +214,7 @@ def test_shared_gsm8k_loads_for_eval() -> None:
     if not path.exists():
         pytest.skip(f"{path} not present")
     rep = load_examples(
-        str(path), problem_key="question", solution_key=None, answer_key="answer", require_answer=True
+        str(path), RowKeys(problem="question", solution=None, answer="answer"), require_answer=True
     )
     assert len(rep.examples) == 1319
     from opsd.grading import normalize_gold
@@ -341,7 +341,7 @@ def test_cli_takes_the_cpu_section(tmp_path: Path, tiny_model_dir: Path, monkeyp
     real = eval_cli.make_engine
 
     def spy(*a, **kw):
-        plans.append(kw["plan"])
+        plans.append(kw["run"].plan)
         return real(*a, **kw)
 
     monkeypatch.setattr(eval_cli, "make_engine", spy)

@@ -145,7 +145,7 @@ def test_every_set_is_reported_and_split_by_answers_seen_in_training(assets, tmp
     }
     trainer = Trainer(make_cfg(assets, tmp_path / "run", **over))
     try:
-        monkeypatch.setattr(trainer.engine, "generate", lambda *a: _scripted(trainer.tokenizer, *a))
+        monkeypatch.setattr(trainer.run.engine, "generate", lambda *a: _scripted(trainer.run.tokenizer, *a))
         m = trainer.evaluate().metrics()
     finally:
         trainer.close()
@@ -256,9 +256,9 @@ def test_drift_after_a_change_is_the_float64_kl_from_the_initial_model(assets, t
     it is within 2 err, and so is the mean."""
     trainer = Trainer(_drift_cfg(assets, tmp_path / "run"))
     try:
-        initial = copy.deepcopy(trainer.model).double().eval()
-        _perturb(trainer.model, 0.5)
-        now = copy.deepcopy(trainer.model).double().eval()
+        initial = copy.deepcopy(trainer.run.model).double().eval()
+        _perturb(trainer.run.model, 0.5)
+        now = copy.deepcopy(trainer.run.model).double().eval()
         drift = trainer.evaluate().metrics()["eval/R/drift"]
         ref = _reference(tmp_path / "run")
         now32 = trainer.answer_logits()(reference_samples(ref))

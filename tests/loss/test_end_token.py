@@ -50,7 +50,7 @@ def test_a_run_that_skips_end_tokens_trains(tmp_path):
     cfg = make_cfg(assets, tmp_path / "run", **{"loss.end_token": "skip", "checkpoint.enabled": "false"})
     trainer = Trainer(cfg)
     try:
-        assert trainer.skip_end
+        assert trainer.run.skip_end
         out = trainer.step()
         assert out.finite and math.isfinite(float(out.loss_sum))
         stopped = [c for c in out.completions if c.finish_reason == "stop"]
@@ -69,9 +69,9 @@ def test_a_run_that_floors_end_tokens_trains_with_the_models_end_tokens(tmp_path
     cfg = make_cfg(assets, tmp_path / "run", **{"loss.end_token": "floor", "checkpoint.enabled": "false"})
     trainer = Trainer(cfg)
     try:
-        ends = tuple(end_token_ids(trainer.tokenizer, trainer.model, []))
-        assert ends and trainer.spec.end_ids == ends == trainer.objective.spec.end_ids
-        assert "floored" in trainer.spec.describe()
+        ends = tuple(end_token_ids(trainer.run.tokenizer, trainer.run.model, []))
+        assert ends and trainer.run.spec.end_ids == ends == trainer.run.objective.spec.end_ids
+        assert "floored" in trainer.run.spec.describe()
         out = trainer.step()
         assert out.finite and math.isfinite(float(out.loss_sum))
     finally:

@@ -125,24 +125,24 @@ def test_grpo_trains_the_tiny_model_with_rewards_from_a_grader(tmp_path, monkeyp
         calls.append(answer)
         return float(len(response) % 2)
 
-    tr.objective.reward = reward
-    before = {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad}
+    tr.run.objective.reward = reward
+    before = {k: v.detach().clone() for k, v in tr.run.model.named_parameters() if v.requires_grad}
     rec = tr.record(tr.step())
     assert len(calls) == 8 and set(calls) <= {
         str(a + 1) for a in range(6)
     }  # every response graded against its answer
     assert 0.0 <= rec["reward_mean"] <= 1.0 and 0.0 <= rec["flat_group_frac"] <= 1.0
-    moved = any(not torch.equal(v, before[k]) for k, v in tr.model.named_parameters() if v.requires_grad)
+    moved = any(not torch.equal(v, before[k]) for k, v in tr.run.model.named_parameters() if v.requires_grad)
     assert moved == (rec["flat_group_frac"] < 1.0)
 
     tr = Trainer(_grpo_cfg(tmp_path, model, data), overwrite=True)  # fresh: no AdamW momentum
-    tr.objective.reward = lambda response, answer: (
+    tr.run.objective.reward = lambda response, answer: (
         1.0
     )  # every group flat: zero advantage, zero gradient, no movement
-    before = {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad}
+    before = {k: v.detach().clone() for k, v in tr.run.model.named_parameters() if v.requires_grad}
     rec = tr.record(tr.step())
     assert rec["flat_group_frac"] == 1.0 and rec["grad_norm"] == 0.0 and rec["loss"] == 0.0
-    assert all(torch.equal(v, before[k]) for k, v in tr.model.named_parameters() if v.requires_grad)
+    assert all(torch.equal(v, before[k]) for k, v in tr.run.model.named_parameters() if v.requires_grad)
 
 
 def test_grpo_needs_answers_and_groups(tmp_path):

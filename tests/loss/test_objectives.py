@@ -75,21 +75,25 @@ def test_distill_coef_zero_is_grpo_alone(assets, tmp_path):
     objective = make_objective(cfg, cfg.loss.chunk_size)
     assert isinstance(objective, GRPO) and not objective.uses_teacher
     tr = Trainer(cfg)
-    assert all(ex.solution == "" for ex in tr.examples)
+    assert all(ex.solution == "" for ex in tr.run.data.examples)
     # The tests' HF engine on a CPU: the CPU plan's loss chunks and slabs reach the objective, its
     # distillation term and the held-out divergence.
-    assert tr.objective.chunk_size == tr.objective.distill.chunk_size == LOSS_CHUNK_ROWS_HF
-    assert tr.divergence_objective.chunk_size == LOSS_CHUNK_ROWS_HF
-    assert tr.objective.distill.slab_elements == tr.divergence_objective.slab_elements == LOSS_SLAB_ELEMENTS
+    assert tr.run.objective.chunk_size == tr.run.objective.distill.chunk_size == LOSS_CHUNK_ROWS_HF
+    assert tr.run.divergence_loss.objective.chunk_size == LOSS_CHUNK_ROWS_HF
+    assert (
+        tr.run.objective.distill.slab_elements
+        == tr.run.divergence_loss.objective.slab_elements
+        == LOSS_SLAB_ELEMENTS
+    )
 
 
 def test_a_set_loss_chunk_size_wins_over_the_cpu_plan(assets, tmp_path):
     """``loss.chunk_size`` set: the plan's 128 rows give way; ``cpu.tuning: off``: neither chunks nor
     slabs of the plan (the loss's own 256-row choice, one slab per chunk)."""
     tr = Trainer(make_cfg(assets, tmp_path / "set", **{"loss.chunk_size": 512}))
-    assert tr.objective.chunk_size == 512
+    assert tr.run.objective.chunk_size == 512
     off = Trainer(make_cfg(assets, tmp_path / "off", **{"cpu.tuning": "off"}))
-    assert off.objective.chunk_size is None and off.objective.slab_elements is None
+    assert off.run.objective.chunk_size is None and off.run.objective.slab_elements is None
 
 
 def test_mixed_objective_uses_the_configured_privileged_teacher(assets, tmp_path):
@@ -104,13 +108,13 @@ def test_mixed_objective_uses_the_configured_privileged_teacher(assets, tmp_path
         **{"grpo.distill_coef": 0.5, "grpo.grader": "test_regression:letter_e_reward", "optim.max_steps": 1},
     )
     tr = Trainer(cfg)
-    assert tr.objective.uses_teacher and tr.teacher.mode == "fixed"
-    assert all(ex.solution for ex in tr.examples)
-    tr.objective.reward = lambda response, answer: 1.0  # flat groups: no reward signal at all
-    before = {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad}
+    assert tr.run.objective.uses_teacher and tr.run.teacher.mode == "fixed"
+    assert all(ex.solution for ex in tr.run.data.examples)
+    tr.run.objective.reward = lambda response, answer: 1.0  # flat groups: no reward signal at all
+    before = {k: v.detach().clone() for k, v in tr.run.model.named_parameters() if v.requires_grad}
     rec = tr.record(tr.step())
     assert rec["flat_group_frac"] == 1.0 and rec["grad_norm"] > 0 and rec["divergence"] > 0
-    assert any(not torch.equal(v, before[k]) for k, v in tr.model.named_parameters() if v.requires_grad)
+    assert any(not torch.equal(v, before[k]) for k, v in tr.run.model.named_parameters() if v.requires_grad)
 
 
 def test_mixed_objective_needs_solutions(assets, tmp_path):
@@ -201,12 +205,12 @@ def test_the_sft_objective_trains_on_the_solutions_without_rollouts_or_teacher(a
     over = {"objective": "sft", "model.dtype": "float64", "optim.max_steps": 1, "checkpoint.enabled": "false"}
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
     try:
-        monkeypatch.setattr(tr.engine, "generate", lambda *a, **k: pytest.fail("sft generated a rollout"))
+        monkeypatch.setattr(tr.run.engine, "generate", lambda *a, **k: pytest.fail("sft generated a rollout"))
         monkeypatch.setattr(Teacher, "score", lambda *a, **k: pytest.fail("sft ran the teacher"))
         d = tr.cfg.data
         pairs = sft_pairs_from_examples(
-            tr.tokenizer,
-            tr.examples,
+            tr.run.tokenizer,
+            tr.run.data.examples,
             instruction=d.instruction,
             enable_thinking=d.student_thinking,
             max_len=d.max_prompt_len + tr.cfg.rollout.max_new_tokens,
@@ -214,13 +218,13 @@ def test_the_sft_objective_trains_on_the_solutions_without_rollouts_or_teacher(a
         with torch.no_grad():
             nll = []
             for prompt, target in pairs:
-                logits = tr.model(torch.tensor([prompt + target])).logits[0, len(prompt) - 1 : -1]
+                logits = tr.run.model(torch.tensor([prompt + target])).logits[0, len(prompt) - 1 : -1]
                 nll.append(torch.nn.functional.cross_entropy(logits, torch.tensor(target), reduction="sum"))
         out = tr.step()
         rows = out.example_indices
         assert len(rows) == tr.cfg.rollout.prompts_per_step and len(out.completions) == len(rows)
         for c, i in zip(out.completions, rows):
-            assert c.token_ids == pairs[i][1] and c.token_ids[-1] == tr.tokenizer.eos_token_id
+            assert c.token_ids == pairs[i][1] and c.token_ids[-1] == tr.run.tokenizer.eos_token_id
             assert c.finish_reason == "stop"
         tokens = sum(len(pairs[i][1]) for i in rows)
         dense = float(sum(nll[i] for i in rows)) / tokens

@@ -68,17 +68,17 @@ def test_the_trainer_logs_the_overlap_of_its_own_tokens(tmp_path):
     cfg = make_cfg(build_assets(tmp_path / "assets"), tmp_path / "run", **{"loss.temperature": 0.8})
     tr = Trainer(cfg)
     seen = []
-    loss = tr.forward_backward.loss
+    loss = tr.run.forward_backward.loss
 
     def recording(s_hidden, t_hidden, t_head, mb, scores, **kw):
-        head = tr.model.get_output_embeddings().weight
+        head = tr.run.model.get_output_embeddings().weight
         keep = mb.weights != 0
         zs = s_hidden.detach()[keep].double() @ head.detach().double().T
         zt = t_hidden[keep].double() @ t_head.double().T
         seen.append(dense_overlap(zs, zt, 0.8))
         return loss(s_hidden, t_hidden, t_head, mb, scores, **kw)
 
-    tr.forward_backward.loss = recording
+    tr.run.forward_backward.loss = recording
     try:
         rec = tr.record(tr.step())
     finally:

@@ -166,7 +166,7 @@ def test_rlsd_trains_the_tiny_model_and_logs_its_metrics(tmp_path):
         },
     )
     tr = Trainer(cfg)
-    before = {k: v.detach().clone() for k, v in tr.model.named_parameters() if v.requires_grad}
+    before = {k: v.detach().clone() for k, v in tr.run.model.named_parameters() if v.requires_grad}
     try:
         history = tr.train()
     finally:
@@ -178,4 +178,4 @@ def test_rlsd_trains_the_tiny_model_and_logs_its_metrics(tmp_path):
         assert 0.0 <= r["agreement"] <= 1.0 and 0.0 <= r["overlap_mass"] <= 1.0 and r["divergence"] != 0
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3] and all("rlsd_weight_mean" in x for x in lines)
-    assert any(not torch.equal(v, before[k]) for k, v in tr.model.named_parameters() if v.requires_grad)
+    assert any(not torch.equal(v, before[k]) for k, v in tr.run.model.named_parameters() if v.requires_grad)

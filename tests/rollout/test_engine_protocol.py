@@ -17,7 +17,7 @@ from opsd.rollout.remote import VLLMServerEngine
 from opsd.rollout.vllm import VLLMEngine
 
 ENGINES = [HFEngine, VLLMEngine, VLLMServerEngine]
-ENGINE_NAMES = ("engine", "eng")  # what callers name an engine: self.engine, trainer.engine, eng
+ENGINE_NAMES = ("engine", "eng")  # what callers name an engine: self.engine, trainer.run.engine, eng
 
 
 def protocol_methods() -> list[str]:

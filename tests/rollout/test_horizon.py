@@ -39,7 +39,7 @@ def test_the_trainer_samples_at_each_steps_horizon(tmp_path):
     )
     trainer = Trainer(cfg)
     try:
-        assert [trainer.queue.sampling(s).max_new_tokens for s in (0, 1, 2, 3)] == [2, 4, 6, 6]
+        assert [trainer.run.queue.sampling(s).max_new_tokens for s in (0, 1, 2, 3)] == [2, 4, 6, 6]
         out = trainer.step()  # step 0: at most 2 tokens a response
         assert max(len(c.token_ids) for c in out.completions) <= 2
     finally:

@@ -24,7 +24,7 @@ def _watched(tr: Trainer) -> tuple[list, dict]:
     """Record, in order, each engine generate() (the step it ran at, its seed, its responses) and each
     weight sync; and each step's problems and responses as the queue hands them to the trainer."""
     events, steps = [], {}
-    generate, sync, next_ = tr.engine.generate, tr.engine.sync_weights, tr.queue.next
+    generate, sync, next_ = tr.run.engine.generate, tr.run.engine.sync_weights, tr.run.queue.next
 
     def generated(prompts, n, params):
         out = generate(prompts, n, params)
@@ -40,7 +40,7 @@ def _watched(tr: Trainer) -> tuple[list, dict]:
         steps[step] = got
         return got
 
-    tr.engine.generate, tr.engine.sync_weights, tr.queue.next = generated, synced, drawn
+    tr.run.engine.generate, tr.run.engine.sync_weights, tr.run.queue.next = generated, synced, drawn
     return events, steps
 
 
@@ -82,7 +82,7 @@ def test_refresh_every_4_generates_at_steps_0_and_4_only(assets, tmp_path, off_r
     recs = tr.train()
     calls = [e for e in events if e[0] == "generate"]
     assert [e[1] for e in calls] == [0, 0, 0, 0, 4, 4]
-    assert [e[2] for e in calls] == [tr.queue.sampling(t).seed for t in range(6)]  # each step's own seed
+    assert [e[2] for e in calls] == [tr.run.queue.sampling(t).seed for t in range(6)]  # each step's own seed
     for t in range(6):
         assert _same(steps[t][2], calls[t][3]), t  # step t trains on what its refresh generated for it
         assert steps[t][0] == off_steps[t][0]  # the problems of a run without reuse, in its order

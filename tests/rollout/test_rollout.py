@@ -23,6 +23,7 @@ from opsd.rollout import (
     check_weight_coverage,
     weights_to_resend,
 )
+from opsd.rollout.base import EngineRun
 from opsd.rollout.make import make_engine
 from opsd.tiny import build_tiny_model
 
@@ -280,7 +281,7 @@ def test_bad_prompts(tiny_model, tiny_tokenizer):
 
 
 def test_make_engine(tiny_model, tiny_tokenizer, prompts):
-    engine = make_engine(RolloutConfig(engine="hf", batch_size=4), tiny_model, tiny_tokenizer, seed=0)
+    engine = make_engine(RolloutConfig(engine="hf", batch_size=4), tiny_model, tiny_tokenizer)
     assert isinstance(engine, HFEngine) and isinstance(engine, RolloutEngine)
     assert engine.batch_size == 4 and engine.model is tiny_model
     before = _greedy(engine, prompts)
@@ -289,20 +290,20 @@ def test_make_engine(tiny_model, tiny_tokenizer, prompts):
     assert [c.token_ids for c in _greedy(engine, prompts)] == [c.token_ids for c in before]
     engine.close()
     with pytest.raises(UserError, match="allowed"):
-        make_engine(RolloutConfig.model_construct(engine="tgi"), tiny_model, tiny_tokenizer, seed=0)
+        make_engine(RolloutConfig.model_construct(engine="tgi"), tiny_model, tiny_tokenizer)
 
 
 def test_make_engine_builds_the_resolved_kind(tiny_model, tiny_tokenizer):
     """rollout.engine=auto is resolved once, by the trainer, and the kind passed in: the engine builder
     refuses to resolve it again, and refuses tensor parallelism where auto resolved to the HF engine."""
     auto = RolloutConfig(engine="auto", batch_size=4)
-    engine = make_engine(auto, tiny_model, tiny_tokenizer, seed=0, kind="hf")
+    engine = make_engine(auto, tiny_model, tiny_tokenizer, kind="hf")
     assert isinstance(engine, HFEngine)
     with pytest.raises(ValueError, match="resolve it first"):
-        make_engine(auto, tiny_model, tiny_tokenizer, seed=0)
+        make_engine(auto, tiny_model, tiny_tokenizer)
     parallel = RolloutConfig(engine="auto", tensor_parallel_size=2)
     with pytest.raises(UserError, match="tensor_parallel_size > 1 needs rollout.engine=vllm"):
-        make_engine(parallel, tiny_model, tiny_tokenizer, seed=0, kind="hf")
+        make_engine(parallel, tiny_model, tiny_tokenizer, kind="hf")
 
 
 @pytest.mark.smollm2
@@ -332,9 +333,9 @@ def test_vllm_context_holds_the_longest_generation_asked_of_it(fake_vllm, tiny_m
     from opsd.rollout.make import make_engine
 
     cfg = RolloutConfig(engine="vllm", batch_size=16, max_new_tokens=6)
-    make_engine(cfg, tiny_model, tiny_tokenizer, seed=3, max_prompt_len=100, max_new_tokens=40)
+    make_engine(cfg, tiny_model, tiny_tokenizer, EngineRun(seed=3, max_prompt_len=100, max_new_tokens=40))
     assert fake_vllm.llms[-1].kwargs["max_model_len"] == 140
-    make_engine(cfg, tiny_model, tiny_tokenizer, seed=3, max_prompt_len=100)
+    make_engine(cfg, tiny_model, tiny_tokenizer, EngineRun(seed=3, max_prompt_len=100))
     assert fake_vllm.llms[-1].kwargs["max_model_len"] == 106
 
 

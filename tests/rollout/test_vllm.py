@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from opsd import Trainer, load_config  # noqa: E402
 from opsd.config import RolloutConfig  # noqa: E402
 from opsd.rollout import SamplingParams, VLLMEngine  # noqa: E402
+from opsd.rollout.base import EngineRun  # noqa: E402
 from opsd.rollout.make import make_engine  # noqa: E402
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
@@ -48,7 +49,7 @@ def _load(path) -> torch.nn.Module:
 
 def _engine(model, tok, **rollout) -> VLLMEngine:
     cfg = RolloutConfig(engine="vllm", batch_size=16, vllm_kwargs=VLLM_KWARGS, **rollout)
-    return make_engine(cfg, model, tok, seed=0, max_prompt_len=64)
+    return make_engine(cfg, model, tok, EngineRun(max_prompt_len=64))
 
 
 THREADS_BEFORE_ENGINE = torch.get_num_threads()
@@ -237,7 +238,7 @@ def test_cpu_engine_sizes_its_cache_to_the_batch(assets, base_model, capsys):
     if not current_platform.is_cpu():
         pytest.skip("the sizing is for vLLM's CPU backend")
     cfg = RolloutConfig(engine="vllm", batch_size=4, vllm_kwargs={"enforce_eager": True})
-    eng = make_engine(cfg, base_model, assets["tok"], seed=0, max_prompt_len=48)
+    eng = make_engine(cfg, base_model, assets["tok"], EngineRun(max_prompt_len=48))
     try:
         want = cpu_kv_cache_bytes(base_model.config, "float32", 4, 48 + cfg.max_new_tokens)
         assert eng.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == want
@@ -293,14 +294,14 @@ def test_three_training_steps_with_vllm(assets, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(heap, "reuse_freed_blocks", reuse)
     trainer = Trainer(load_config(str(config), args))
-    assert isinstance(trainer.engine, VLLMEngine)
+    assert isinstance(trainer.run.engine, VLLMEngine)
     budget = [x for x in capsys.readouterr().err.splitlines() if x.startswith("micro-batches:")]
     # The auto budget beside the engine (models.microbatch_budget): a CPU's RAM, a GPU's free memory.
     assert ("free on cuda" if torch.cuda.is_available() else "vLLM") in budget[0]
     trainer.train()
     assert trims == []  # beside vLLM the heap keeps its pages between steps (the CPU plan's trim_heap)
     assert kept == [True] * 3  # and glibc does not trim them by itself after the loop either
-    trainer.engine.close()
+    trainer.run.engine.close()
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in recs)

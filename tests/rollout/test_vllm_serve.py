@@ -126,7 +126,7 @@ def _cfg(assets, tmp_path, servers, **over):
 def test_three_steps_through_a_real_server(assets, tmp_path, server, lora):
     tr = Trainer(_cfg(assets, tmp_path, [server.url], **{"model.lora.enabled": lora}))
     history = tr.train()
-    probe = tr.engine.last_probe_gap
+    probe = tr.run.engine.last_probe_gap
     tr.close()
     assert probe < BOUND
     assert [rec["step"] for rec in history] == [1, 2, 3]
@@ -201,8 +201,8 @@ def test_opsd_serve_defaults_on_a_cpu(assets, tmp_path, monkeypatch):
         assert "KV cache for 16 sequences of 2048 tokens" in log
         assert len(served.greedy(assets["tok"]("What is 3 + 4?").input_ids, tokens=4)) == 4
         tr = Trainer(_cfg(assets, tmp_path, [served.url], **{"optim.max_steps": 1}))
-        assert tr.engine.server_dtypes == [dtype]
-        tolerance = tr.engine.sync_tolerance
+        assert tr.run.engine.server_dtypes == [dtype]
+        tolerance = tr.run.engine.sync_tolerance
         spread = {"logit_std": 1.0, "layers": 2, "width": HIDDEN}  # the ratio of two tolerances
         ratio = probe_tolerance(dtype, "float32", **spread) / probe_tolerance("float32", "float32", **spread)
         assert (ratio > 100) == (dtype == "bfloat16")

@@ -152,7 +152,7 @@ def test_training_through_a_server_syncs_weights_after_every_step(assets, tmp_pa
     for i in syncs:
         assert server.calls[i - 1 : i + 3] == ["/pause", "/collective_rpc", "/reset_prefix_cache", "/resume"]
     assert [p.name for p in (tmp_path / "weights").iterdir()] == ["step-000003"]
-    assert tr.engine.last_probe_gap < 1e-4
+    assert tr.run.engine.last_probe_gap < 1e-4
 
 
 def test_two_servers_share_the_prompts(assets, tmp_path, server):
@@ -305,15 +305,15 @@ def test_a_bf16_server_beside_a_float32_trainer_is_named_and_trains(assets, tmp_
     bf16 = FakeServer(assets["model"], dtype="bfloat16")
     try:
         tr = Trainer(_cfg(assets, tmp_path, [bf16.url], **{"optim.max_steps": 2}))
-        assert tr.engine.server_dtypes == ["bfloat16"] and tr.engine.trainer_dtype == "float32"
+        assert tr.run.engine.server_dtypes == ["bfloat16"] and tr.run.engine.trainer_dtype == "float32"
         err = capsys.readouterr().err
         line = next(x for x in err.splitlines() if "computes in bfloat16" in x)
         assert f"rollout server {bf16.url} computes in bfloat16, the trainer in float32" in line
         assert "; the sync probe allows " in line and "(gap at start " in line
         assert line.endswith("; `opsd serve --dtype float32` or model.dtype=bfloat16 aligns them")
         history = tr.train()
-        tolerance, gap = tr.engine.sync_tolerance, tr.engine.last_probe_gap
-        both32 = probe_tolerance("float32", "float32", **tr.engine.shapes[0])  # on the same probe
+        tolerance, gap = tr.run.engine.sync_tolerance, tr.run.engine.last_probe_gap
+        both32 = probe_tolerance("float32", "float32", **tr.run.engine.shapes[0])  # on the same probe
         tr.close()
     finally:
         bf16.close()

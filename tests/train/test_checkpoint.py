@@ -61,6 +61,25 @@ def _train_state(model) -> dict:
     }
 
 
+class Plain:
+    """A checkpoint part holding plain data (the Stateful protocol)."""
+
+    def __init__(self, state=None) -> None:
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+    def load_state_dict(self, state) -> None:
+        self.state = state
+
+
+def _saved(model, tokenizer, shared: dict | None = None, **kw) -> ck.RunState:
+    """What the trainer hands :func:`save_checkpoint`: each ``shared`` entry a part of its own."""
+    parts = {name: Plain(state) for name, state in (shared or {}).items()}
+    return ck.RunState(model, tokenizer, shared=parts, **kw)
+
+
 def _draws() -> tuple:
     return random.random(), random.gauss(0, 1), np.random.rand(3).tolist(), torch.rand(3).tolist()
 
@@ -76,7 +95,7 @@ def test_rng_state_round_trips_through_weights_only(tmp_path):
 
 def test_save_and_load_round_trip(tiny_model, tiny_tokenizer, tmp_path):
     state = _train_state(tiny_model)
-    path = save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, state, keep_last=2)
+    path = save_checkpoint(tmp_path, 1, _saved(tiny_model, tiny_tokenizer, state), keep_last=2)
     assert path == tmp_path / "checkpoints" / "step_000001" == latest_checkpoint(tmp_path)
     loaded = load_state(path)
     assert loaded["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
@@ -90,7 +109,7 @@ def test_save_and_load_round_trip(tiny_model, tiny_tokenizer, tmp_path):
 
 
 def test_pickled_code_in_state_is_refused(tiny_model, tiny_tokenizer, tmp_path):
-    path = save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, {"step": 1}, keep_last=1)
+    path = save_checkpoint(tmp_path, 1, _saved(tiny_model, tiny_tokenizer, {"step": 1}), keep_last=1)
     marker = tmp_path / "code_ran"
 
     class Payload:
@@ -117,7 +136,9 @@ def test_merged_export_leaves_bf16_weights_bit_identical(tiny_tokenizer, tmp_pat
     assert not torch.equal(probe.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight, w0)
 
     before = {k: v.clone() for k, v in lora.state_dict().items()}
-    path = save_checkpoint(tmp_path, 1, lora, tiny_tokenizer, {"step": 1}, keep_last=1, save_merged=True)
+    path = save_checkpoint(
+        tmp_path, 1, _saved(lora, tiny_tokenizer, {"step": 1}), keep_last=1, save_merged=True
+    )
     assert all(torch.equal(v, before[k]) for k, v in lora.state_dict().items())
 
     merged = AutoModelForCausalLM.from_pretrained(path / "merged", dtype=torch.bfloat16)
@@ -136,13 +157,13 @@ def test_leftover_temporary_dirs_are_removed(tiny_model, tiny_tokenizer, tmp_pat
     assert clean_partial(tmp_path) == [root / ".tmp-step_000003-123"]
     assert clean_partial(tmp_path / "elsewhere") == []
     (root / ".tmp-step_000004-456" / "model").mkdir(parents=True)
-    save_checkpoint(tmp_path, 5, tiny_model, tiny_tokenizer, {"step": 5}, keep_last=1)
+    save_checkpoint(tmp_path, 5, _saved(tiny_model, tiny_tokenizer, {"step": 5}), keep_last=1)
     assert sorted(p.name for p in root.iterdir()) == ["step_000005"]
 
 
 def test_resaving_a_step_replaces_it_and_keep_last_prunes(tiny_model, tiny_tokenizer, tmp_path):
     for step in (1, 2, 2, 3):
-        save_checkpoint(tmp_path, step, tiny_model, tiny_tokenizer, {"step": step}, keep_last=2)
+        save_checkpoint(tmp_path, step, _saved(tiny_model, tiny_tokenizer, {"step": step}), keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
 
@@ -151,7 +172,7 @@ def test_keep_last_rotation_never_deletes_the_best(tiny_model, tiny_tokenizer, t
     """checkpoints/best.json (opsd.guard) names a checkpoint the keep_last rotation skips; once another
     is named, prune_checkpoints drops the old one."""
     for step in (1, 2, 3, 4):
-        save_checkpoint(tmp_path, step, tiny_model, tiny_tokenizer, {"step": step}, keep_last=1)
+        save_checkpoint(tmp_path, step, _saved(tiny_model, tiny_tokenizer, {"step": step}), keep_last=1)
         if step == 2:
             write_best(tmp_path, 2, "eval/avg@1", 0.5, tmp_path / "checkpoints" / "step_000002")
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000004"]
@@ -160,7 +181,7 @@ def test_keep_last_rotation_never_deletes_the_best(tiny_model, tiny_tokenizer, t
     assert [p.name for p in prune_checkpoints(tmp_path, 1)] == ["step_000002"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best.json", "step_000004"]
     (tmp_path / "checkpoints" / "best.json").write_text("{not json")  # unreadable: no best, plain rotation
-    save_checkpoint(tmp_path, 5, tiny_model, tiny_tokenizer, {"step": 5}, keep_last=1)
+    save_checkpoint(tmp_path, 5, _saved(tiny_model, tiny_tokenizer, {"step": 5}), keep_last=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000005"]
 
 
@@ -172,23 +193,63 @@ def _disk_full(*args, **kwargs):
 def test_failed_write_is_one_line_and_keeps_the_previous_checkpoint(
     tiny_model, tiny_tokenizer, tmp_path, monkeypatch, writer
 ):
-    previous = save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, {"step": 1}, keep_last=3)
+    previous = save_checkpoint(tmp_path, 1, _saved(tiny_model, tiny_tokenizer, {"step": 1}), keep_last=3)
     if writer == "state":
         monkeypatch.setattr(ck.torch, "save", _disk_full)
     else:
         monkeypatch.setattr(tiny_model, "save_pretrained", _disk_full)
     with pytest.raises(TrainingError) as err:
-        save_checkpoint(tmp_path, 2, tiny_model, tiny_tokenizer, {"step": 2}, keep_last=3)
+        save_checkpoint(tmp_path, 2, _saved(tiny_model, tiny_tokenizer, {"step": 2}), keep_last=3)
     msg = str(err.value)
     assert "\n" not in msg
     assert "disk full?" in msg and "No space left on device" in msg
     assert str(tmp_path / "checkpoints") in msg and f"{previous} is intact" in msg
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
-    assert load_state(previous) == {"step": 1}
+    assert load_state(previous) == {"format": ck.FORMAT, "step": 1}
 
 
 def test_failed_first_write_says_there_is_no_checkpoint(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(ck.torch, "save", _disk_full)
     with pytest.raises(TrainingError, match="no earlier checkpoint"):
-        save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, {"step": 1}, keep_last=1)
+        save_checkpoint(tmp_path, 1, _saved(tiny_model, tiny_tokenizer, {"step": 1}), keep_last=1)
     assert list(Path(tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_save_and_load_walk_the_named_parts(tiny_model, tiny_tokenizer, tmp_path):
+    """Each shared part goes to state.pt under its name, each rank's own to its rank file; a load puts
+    every one back by name, and a rank the saving run did not have gives each of its parts None."""
+    params = [p for p in tiny_model.parameters() if p.requires_grad]
+    ema = {"ema.0": params[0].detach().clone() + 1}
+    shared = {"progress": Plain({"step": 3, "bad_steps": 1}), "cursor": Plain({"position": 2})}
+    mine = {"truncated": Plain({"student": 1, "teacher": 0})}
+    run = ck.RunState(tiny_model, tiny_tokenizer, tensors=ema, shared=shared, per_rank=mine)
+    path = save_checkpoint(tmp_path, 3, run, keep_last=1)
+    state = load_state(path)
+    assert state == {"format": ck.FORMAT, "progress": {"step": 3, "bad_steps": 1}, "cursor": {"position": 2}}
+    assert set(torch.load(path / "rank_00000.pt", weights_only=True)) == {"truncated", "rng"}
+    fresh = {name: Plain() for name in shared}
+    fresh_mine = {"truncated": Plain()}
+    target = {"ema.0": torch.zeros_like(ema["ema.0"])}
+    ck.load_checkpoint(path, ck.RunState(tiny_model, tensors=target, shared=fresh, per_rank=fresh_mine))
+    assert {k: p.state for k, p in fresh.items()} == {k: p.state for k, p in shared.items()}
+    assert fresh_mine["truncated"].state == {"student": 1, "teacher": 0}
+    assert torch.equal(target["ema.0"], ema["ema.0"])
+    (path / "rank_00000.pt").unlink()  # as if this rank were new: its parts start as built
+    ck.load_checkpoint(path, ck.RunState(tiny_model, shared=fresh, per_rank=fresh_mine, tensors=target))
+    assert fresh_mine["truncated"].state is None
+
+
+def test_old_formats_load_and_a_newer_one_is_refused_in_one_line(tiny_model, tiny_tokenizer, tmp_path):
+    """Formats 1 (no key) and 2 kept the counters at the top of state.pt: they load into ``progress``.
+    A format this opsd does not know is refused with one line naming it."""
+    path = save_checkpoint(tmp_path, 2, _saved(tiny_model, tiny_tokenizer), keep_last=1)
+    for old in ({"format": 2}, {}):
+        torch.save(old | {"step": 2, "bad_steps": 1, "cursor": {"position": 4}}, path / "state.pt")
+        parts = {"progress": Plain(), "cursor": Plain()}
+        ck.load_checkpoint(path, ck.RunState(tiny_model, shared=parts))
+        assert parts["progress"].state == {"step": 2, "bad_steps": 1}
+        assert parts["cursor"].state == {"position": 4}
+    torch.save({"format": ck.FORMAT + 1, "progress": {}}, path / "state.pt")
+    with pytest.raises(UserError) as err:
+        ck.load_checkpoint(path, ck.RunState(tiny_model, shared={"progress": Plain()}))
+    assert "\n" not in str(err.value) and f"checkpoint format {ck.FORMAT + 1}" in str(err.value)

@@ -69,10 +69,10 @@ def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
     torch._dynamo.utils.counters.clear()
     monkeypatch.setattr(rollout.HFEngine, "_generate_batch", spy)
     tr = Trainer(make_cfg(assets, tmp_path / "compiled", **{**over, "model.compile": "true"}))
-    layers = models.base_model(tr.model).get_decoder().layers
+    layers = models.base_model(tr.run.model).get_decoder().layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
-    assert models.base_model(tr.model).config._attn_implementation == "sdpa"  # compiled rows stay batched
-    norms = [m for m in tr.model.modules() if type(m).__name__ in PLAIN_RMSNORMS]
+    assert models.base_model(tr.run.model).config._attn_implementation == "sdpa"  # compiled rows stay batched
+    norms = [m for m in tr.run.model.modules() if type(m).__name__ in PLAIN_RMSNORMS]
     assert norms and not any("forward" in m.__dict__ for m in norms)  # inductor fuses transformers' own
     compiled = tr.train()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # something did compile

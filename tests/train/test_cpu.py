@@ -226,9 +226,9 @@ def test_the_trainer_names_its_plan_and_saves_it(assets, tmp_path, capsys):
 
     tr = Trainer(make_cfg(assets, tmp_path / "run"))
     err = capsys.readouterr().err
-    assert f"cpu plan: {tr.plan.describe()}" in err and "packed" in err
+    assert f"cpu plan: {tr.run.plan.describe()}" in err and "packed" in err
     saved = json.loads((tmp_path / "run" / "cpu_plan.json").read_text())
-    assert saved == tr.plan.as_dict() and saved["pack_rows"] is True
+    assert saved == tr.run.plan.as_dict() and saved["pack_rows"] is True
 
 
 def test_tuning_off_changes_no_global_state(assets, tmp_path, monkeypatch):
@@ -250,12 +250,12 @@ def test_tuning_off_changes_no_global_state(assets, tmp_path, monkeypatch):
     modules = set(sys.modules)
     tr = Trainer(make_cfg(assets, tmp_path / "run", **{"cpu.tuning": "off", "optim.max_steps": 1}))
     tr.train()
-    assert tr.plan.empty
+    assert tr.run.plan.empty
     assert dict(os.environ) == env
     assert dict(AttentionInterface._global_mapping) == registry
     hidden = {name for name in set(sys.modules) - modules if sys.modules[name] is None}
     assert not hidden  # nothing made absent behind the caller's back
-    assert tr.model.get_base_model().config._attn_implementation == "sdpa"
+    assert tr.run.model.get_base_model().config._attn_implementation == "sdpa"
 
 
 def test_the_opsd_command_tunes_malloc_unless_the_user_chose(monkeypatch):

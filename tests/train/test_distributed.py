@@ -504,7 +504,7 @@ def _tp_group_worker(d: D.Dist, tmp: str) -> None:
 
     from opsd.config import RolloutConfig
     from opsd.rollout import SamplingParams
-    from opsd.rollout.make import make_engine
+    from opsd.rollout.make import EngineRun, make_engine
 
     tok = build_tiny_tokenizer()
     model = build_tiny_model(tok, hidden_size=32, num_layers=2)
@@ -528,7 +528,7 @@ def _tp_group_worker(d: D.Dist, tmp: str) -> None:
         }
     )
     cfg = RolloutConfig(engine="vllm", tensor_parallel_size=2, max_new_tokens=5)
-    eng = make_engine(cfg, model, tok, seed=0, max_prompt_len=50)
+    eng = make_engine(cfg, model, tok, EngineRun(max_prompt_len=50))
     assert llms[0].kwargs["tensor_parallel_size"] == 2
     prompts = [[1, 2, 3], [4, 5]] if d.rank == 0 else [[6, 7, 8, 9]]
     out = eng.generate(prompts, 2, SamplingParams(max_new_tokens=5, seed=100 + d.rank))

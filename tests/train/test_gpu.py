@@ -92,11 +92,11 @@ def test_bf16_full_finetuning_on_cuda_keeps_float32_masters(assets, tmp_path):
         "checkpoint.every": 0,
     }
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
-    before = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
+    before = {k: v.detach().clone() for k, v in tr.run.model.named_parameters()}
     hist = tr.train()
-    assert all(p.dtype == torch.float32 and p.is_cuda for p in tr.model.parameters())
-    moved = sum(int((p.detach() != before[k]).sum()) for k, p in tr.model.named_parameters())
-    assert moved / sum(p.numel() for p in tr.model.parameters()) > 0.5
+    assert all(p.dtype == torch.float32 and p.is_cuda for p in tr.run.model.parameters())
+    moved = sum(int((p.detach() != before[k]).sum()) for k, p in tr.run.model.named_parameters())
+    assert moved / sum(p.numel() for p in tr.run.model.parameters()) > 0.5
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in hist)
 
 
@@ -128,12 +128,16 @@ def _nccl_worker(rank: int, port: int, root: str, dtype: str) -> None:
         paths = json.loads((Path(root) / "assets.json").read_text())
         over = {"device": "cuda", "model.lora.enabled": "false", "optim.max_steps": 2, "model.dtype": dtype}
         tr = Trainer(make_cfg(paths, Path(root) / "run", **over), dist=d)
-        before = [p.detach().full_tensor().clone() for p in tr.model.parameters()]
+        before = [p.detach().full_tensor().clone() for p in tr.run.model.parameters()]
         hist = tr.train()
-        policy = next(m for m in tr.model.modules() if isinstance(m, FSDPModule))._get_fsdp_state()._mp_policy
-        moved = [bool((p.detach().full_tensor() != b).any()) for p, b in zip(tr.model.parameters(), before)]
+        policy = (
+            next(m for m in tr.run.model.modules() if isinstance(m, FSDPModule))._get_fsdp_state()._mp_policy
+        )
+        moved = [
+            bool((p.detach().full_tensor() != b).any()) for p, b in zip(tr.run.model.parameters(), before)
+        ]
         sharded = {
-            "masters": sorted({str(p.dtype) for p in tr.model.parameters()}),
+            "masters": sorted({str(p.dtype) for p in tr.run.model.parameters()}),
             "param_dtype": str(policy.param_dtype),
             "reduce_dtype": str(policy.reduce_dtype),
             "moved": sum(moved) / len(moved),

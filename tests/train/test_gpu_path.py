@@ -49,9 +49,9 @@ def test_evaluation_puts_the_engine_back_to_sleep(assets, tmp_path):
         )
     )
     calls = []
-    generate, sleep = tr.engine.generate, tr.engine.sleep
-    tr.engine.generate = lambda *a: calls.append("generate") or generate(*a)
-    tr.engine.sleep = lambda: calls.append("sleep") or sleep()
+    generate, sleep = tr.run.engine.generate, tr.run.engine.sleep
+    tr.run.engine.generate = lambda *a: calls.append("generate") or generate(*a)
+    tr.run.engine.sleep = lambda: calls.append("sleep") or sleep()
     tr.evaluate()
     assert calls and calls[-1] == "sleep" and "generate" in calls
 
@@ -234,13 +234,14 @@ def _allocations(fn, keep: list[torch.Tensor] = ()) -> list[tuple[torch.dtype, i
 def test_adamw_is_fused_where_every_parameter_is_on_cuda(monkeypatch):
     """The default (foreach) AdamW makes several passes over parameters, moments and gradients per step;
     on CUDA the fused kernel makes one. ``Tensor.is_cuda`` is faked: the fused CPU kernel then runs."""
+    from opsd.config import OptimConfig
     from opsd.optim import make_optimizer
 
     params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
-    cpu, _ = make_optimizer(params, lr=1e-3, total=2)
+    cpu, _ = make_optimizer(params, OptimConfig(lr=1e-3, max_steps=2))
     assert not cpu.defaults["fused"]  # a CPU keeps PyTorch's default, whose numbers the CPU tests pin
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    cuda, _ = make_optimizer(params, lr=1e-3, total=2)
+    cuda, _ = make_optimizer(params, OptimConfig(lr=1e-3, max_steps=2))
     assert cuda.defaults["fused"] is True
     for p in params:
         p.grad = torch.ones_like(p)
@@ -336,15 +337,15 @@ def test_lora_rollouts_compute_the_adapters_as_training_does(assets, tmp_path):
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
     seen: dict[str, set] = {"rollout": set(), "training": set()}
     phase = ["rollout"]
-    lora_b = next(m for n, m in tr.model.named_modules() if n.endswith("lora_B.default"))
+    lora_b = next(m for n, m in tr.run.model.named_modules() if n.endswith("lora_B.default"))
     lora_b.register_forward_hook(lambda m, args, out: seen[phase[0]].add(out.dtype))
-    inner = tr.forward_backward
+    inner = tr.run.forward_backward
 
     def forward_backward(*a, **k):
         phase[0] = "training"
         return inner(*a, **k)
 
-    tr.forward_backward = forward_backward
+    tr.run.forward_backward = forward_backward
     tr.step()
     tr.close()
     assert seen["rollout"] == seen["training"] == {torch.bfloat16}, seen

@@ -126,7 +126,7 @@ def _changed_fraction(before: dict, model) -> float:
 
 def _train_full(assets, run_dir, dtype: str, **over):
     tr = Trainer(make_cfg(assets, run_dir, **{**FULL_FT, "model.dtype": dtype, **over}))
-    before = {k: v.detach().clone() for k, v in tr.model.named_parameters()}
+    before = {k: v.detach().clone() for k, v in tr.run.model.named_parameters()}
     hist = tr.train()
     return tr, before, hist
 
@@ -137,16 +137,16 @@ def test_bf16_full_finetuning_keeps_float32_masters_and_moves_the_weights(assets
     many weights as float32 does: all but the embedding rows of tokens no batch contained."""
     monkeypatch.setattr("opsd.setup.make_engine", ScriptedEngine)
     tr16, before, h16 = _train_full(assets, tmp_path / "bf16", "bfloat16")
-    assert tr16.precision.mixed and all(p.dtype == FP32 for p in tr16.model.parameters())
-    assert all(s["exp_avg"].dtype == FP32 for s in tr16.optimizer.state.values())
+    assert tr16.run.precision.mixed and all(p.dtype == FP32 for p in tr16.run.model.parameters())
+    assert all(s["exp_avg"].dtype == FP32 for s in tr16.run.optimizer.state.values())
     # the frozen copy is never updated: its matrices in the compute dtype are enough
-    assert tr16.teacher.model.model.layers[0].mlp.up_proj.weight.dtype == BF16
-    moved16 = _changed_fraction(before, tr16.model)
+    assert tr16.run.teacher.model.model.layers[0].mlp.up_proj.weight.dtype == BF16
+    moved16 = _changed_fraction(before, tr16.run.model)
     tr32, before32, h32 = _train_full(assets, tmp_path / "fp32", "float32")
-    moved32 = _changed_fraction(before32, tr32.model)
+    moved32 = _changed_fraction(before32, tr32.run.model)
     trp, beforep, _ = _train_full(assets, tmp_path / "pure", "bfloat16", **{"model.pure_bf16": "true"})
-    assert all(p.dtype == BF16 for p in trp.model.parameters())
-    moved_pure = _changed_fraction(beforep, trp.model)
+    assert all(p.dtype == BF16 for p in trp.run.model.parameters())
+    moved_pure = _changed_fraction(beforep, trp.run.model)
     assert moved16 >= 0.8 and moved32 >= 0.8, (moved16, moved32)
     assert moved_pure < 0.5, moved_pure  # what the masters fix (the issue measured 6%)
 
@@ -165,7 +165,7 @@ def test_bf16_full_finetuning_keeps_float32_masters_and_moves_the_weights(assets
 def _max_logit(tr) -> float:
     ids = torch.arange(40, 72).view(1, -1)
     with torch.no_grad():
-        return float(tr.model(input_ids=ids).logits.abs().max())
+        return float(tr.run.model(input_ids=ids).logits.abs().max())
 
 
 def test_bf16_resume_is_exact(assets, tmp_path):
@@ -182,7 +182,7 @@ def test_bf16_resume_is_exact(assets, tmp_path):
     full = Trainer(make_cfg(assets, tmp_path / "a", **over)).train()
     Trainer(make_cfg(assets, tmp_path / "b", **over)).train(until_step=2)
     resumed = Trainer(make_cfg(assets, tmp_path / "b", **over), resume=True)
-    assert all(p.dtype == FP32 for p in resumed.model.parameters())
+    assert all(p.dtype == FP32 for p in resumed.run.model.parameters())
     rest = resumed.train()
     assert [(r["loss"], r["grad_norm"]) for r in rest] == [(r["loss"], r["grad_norm"]) for r in full[2:]]
 
@@ -197,13 +197,13 @@ def test_lora_adapters_and_ema_stay_float32_over_a_bf16_base(assets, tmp_path):
     }
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
     tr.train()
-    lora = {k: v.dtype for k, v in tr.model.named_parameters() if "lora_" in k}
-    frozen = {v.dtype for k, v in tr.model.named_parameters() if "lora_" not in k}
+    lora = {k: v.dtype for k, v in tr.run.model.named_parameters() if "lora_" in k}
+    frozen = {v.dtype for k, v in tr.run.model.named_parameters() if "lora_" not in k}
     assert lora and set(lora.values()) == {FP32} and frozen == {BF16}
-    assert {e.dtype for e in tr.teacher.ema} == {FP32}
+    assert {e.dtype for e in tr.run.teacher.ema} == {FP32}
     resumed = Trainer(make_cfg(assets, tmp_path / "run", **{**over, "optim.max_steps": 3}), resume=True)
-    assert {v.dtype for k, v in resumed.model.named_parameters() if "lora_" in k} == {FP32}
-    assert {e.dtype for e in resumed.teacher.ema} == {FP32}
+    assert {v.dtype for k, v in resumed.run.model.named_parameters() if "lora_" in k} == {FP32}
+    assert {e.dtype for e in resumed.run.teacher.ema} == {FP32}
 
 
 def test_bf16_on_a_cpu_pads_to_bucket_widths(assets, tmp_path, monkeypatch):
@@ -213,7 +213,7 @@ def test_bf16_on_a_cpu_pads_to_bucket_widths(assets, tmp_path, monkeypatch):
 
     over = {"model.dtype": "bfloat16", "optim.max_steps": 1, "rollout.max_new_tokens": 4}
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
-    assert tr.engine.cpu_settings.bucket_widths
+    assert tr.run.engine.cpu_settings.bucket_widths
     seen = []
     real = tr.microbatches
 
@@ -257,7 +257,7 @@ def test_the_loss_runs_without_autocast(assets, tmp_path, monkeypatch):
             **{**FULL_FT, "model.dtype": "bfloat16", "optim.max_steps": 1, "rollout.max_new_tokens": 4},
         )
     )
-    with tr.autocast():
+    with tr.run.autocast():
         assert torch.is_autocast_enabled("cpu")  # the forwards' context
     tr.train()
     assert seen and not any(seen)  # the trainer calls the loss outside the forwards' autocast
@@ -268,27 +268,20 @@ def test_the_loss_runs_without_autocast(assets, tmp_path, monkeypatch):
     assert loss.dtype == FP32
 
 
-def test_vllm_dtype_follows_the_compute_dtype(tiny_model, tiny_tokenizer, monkeypatch):
+def test_vllm_dtype_follows_the_compute_dtype(fake_vllm, tiny_model, tiny_tokenizer):
     from opsd.config import RolloutConfig
-    from opsd.rollout import make
+    from opsd.rollout.base import EngineRun
+    from opsd.rollout.make import make_engine
 
-    got = {}
-
-    class FakeVLLM:
-        def __init__(self, model, tokenizer, **kw):
-            got.update(kw)
-
-    monkeypatch.setattr(make, "VLLMEngine", FakeVLLM)
-    make.make_engine(RolloutConfig(engine="vllm"), tiny_model, tiny_tokenizer, seed=0, compute_dtype=BF16)
-    assert got["dtype"] == "bfloat16"  # not the float32 of master weights
-    make.make_engine(
+    make_engine(RolloutConfig(engine="vllm"), tiny_model, tiny_tokenizer, EngineRun(compute_dtype=BF16))
+    assert fake_vllm.llms[-1].kwargs["dtype"] == "bfloat16"  # not the float32 of master weights
+    make_engine(
         RolloutConfig(engine="vllm", vllm_dtype="float32"),
         tiny_model,
         tiny_tokenizer,
-        seed=0,
-        compute_dtype=BF16,
+        EngineRun(compute_dtype=BF16),
     )
-    assert got["dtype"] == "float32"
+    assert fake_vllm.llms[-1].kwargs["dtype"] == "float32"
 
 
 # --- checkpoints from before the change --------------------------------------------------------
@@ -299,10 +292,13 @@ def test_checkpoint_formats(assets, tmp_path, capsys):
     Trainer(make_cfg(assets, tmp_path / "run", **over)).train(until_step=1)
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     state = torch.load(ckpt / "state.pt", weights_only=True)
-    assert state["format"] == 2
-    del state["format"]  # what opsd wrote before the format key: it resumes
-    torch.save(state, ckpt / "state.pt")
-    assert Trainer(make_cfg(assets, tmp_path / "run", **over), resume=True).step_num == 1
+    assert state["format"] == 3 and state["progress"] == {"step": 1, "bad_steps": 0}
+    # What opsd wrote before: format 2 kept the counters at the top, and before it no format key.
+    state = {k: v for k, v in state.items() if k != "progress"} | state["progress"]
+    for old in (2, None):
+        state["format"] = old
+        torch.save({k: v for k, v in state.items() if v is not None}, ckpt / "state.pt")
+        assert Trainer(make_cfg(assets, tmp_path / "run", **over), resume=True).step_num == 1
     state["format"] = 99  # a newer opsd's: one line
     torch.save(state, ckpt / "state.pt")
     cfg = tmp_path / "run" / "config.yaml"
@@ -333,9 +329,9 @@ def test_the_trainer_uses_bf16_loss_products_on_bf16_units(assets, tmp_path, mon
             **{"model.dtype": "bfloat16", "optim.max_steps": 1, "rollout.max_new_tokens": 4},
         )
     )
-    assert tr.forward_backward.loss.matmul_dtype == BF16
+    assert tr.run.forward_backward.loss.matmul_dtype == BF16
     seen = {}
-    real = tr.forward_backward
+    real = tr.run.forward_backward
 
     def spy(batches, adv=None, **kw):
         seen["bf16"] = float(real(batches, adv, backward=False)[0])
@@ -344,7 +340,7 @@ def test_the_trainer_uses_bf16_loss_products_on_bf16_units(assets, tmp_path, mon
         real.loss.matmul_dtype = BF16
         return real(batches, adv, **kw)
 
-    tr.forward_backward = spy
+    tr.run.forward_backward = spy
     tr.train()
     assert seen["bf16"] != seen["fp32"] and math.isfinite(seen["bf16"]), seen
 
@@ -399,25 +395,25 @@ def test_lora_adapters_compute_in_bf16_over_a_bf16_base(assets, tmp_path):
 
     tr = Trainer(make_cfg(assets, tmp_path / "run", **{"model.dtype": "bfloat16", "optim.max_steps": 1}))
     with torch.no_grad():  # a non-zero adapter, so its term shows in the output
-        for name, p in tr.model.named_parameters():
+        for name, p in tr.run.model.named_parameters():
             if "lora_B" in name:
                 p.copy_(0.05 * torch.randn_like(p))
-    layer = next(m for m in tr.model.modules() if isinstance(m, LoraLayer))
+    layer = next(m for m in tr.run.model.modules() if isinstance(m, LoraLayer))
     seen = []
     hook = layer.lora_A["default"].register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
     ids = torch.randint(3, 50, (2, 9))
     mask = torch.ones_like(ids)
     pos = torch.arange(18)
-    with tr.autocast():
-        h = final_hidden(tr.model, ids, mask, pos)
+    with tr.run.autocast():
+        h = final_hidden(tr.run.model, ids, mask, pos)
     h.float().square().mean().backward()
     hook.remove()
     assert seen == [(BF16, BF16)]
-    grads = [p.grad for name, p in tr.model.named_parameters() if "lora_" in name]
+    grads = [p.grad for name, p in tr.run.model.named_parameters() if "lora_" in name]
     assert grads and all(g is not None and g.dtype == FP32 and g.isfinite().all() for g in grads)
-    assert {p.dtype for name, p in tr.model.named_parameters() if "lora_" in name} == {FP32}
+    assert {p.dtype for name, p in tr.run.model.named_parameters() if "lora_" in name} == {FP32}
     with torch.no_grad():
-        ref = final_hidden(tr.model, ids, mask, pos)  # peft's own float32 adapter path
+        ref = final_hidden(tr.run.model, ids, mask, pos)  # peft's own float32 adapter path
     assert (h.float() - ref.float()).abs().max() <= 2**-5 * ref.float().abs().max()
 
 
@@ -451,6 +447,6 @@ def test_loss_products_float32_keeps_the_loss_products_in_float32(assets, tmp_pa
     monkeypatch.setenv("OPSD_CPU_BF16", "1")
     over = {"model.dtype": "bfloat16", "checkpoint.enabled": "false"}
     auto = Trainer(make_cfg(assets, tmp_path / "auto", **over))
-    assert auto.forward_backward.loss.matmul_dtype == torch.bfloat16
+    assert auto.run.forward_backward.loss.matmul_dtype == torch.bfloat16
     plain = Trainer(make_cfg(assets, tmp_path / "f32", **over, **{"loss.products": "float32"}))
-    assert plain.forward_backward.loss.matmul_dtype is None
+    assert plain.run.forward_backward.loss.matmul_dtype is None

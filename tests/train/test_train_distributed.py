@@ -280,13 +280,13 @@ def _bf16_worker(d, paths: dict, root: str) -> None:
 
     opsd.setup.make_engine = ScriptedEngine  # the same tokens on both ranks' runs, many embedding rows
     full = Trainer(make_cfg(paths, Path(root) / "full", **{**FULL_FT, "model.dtype": "bfloat16"}), dist=d)
-    before = {k: v.clone() for k, v in gather_full_state_dict(full.model).items()}
+    before = {k: v.clone() for k, v in gather_full_state_dict(full.run.model).items()}
     local = {
         type(p).__name__: str(p.to_local().dtype if isinstance(p, DTensor) else p.dtype)
-        for p in full.model.parameters()
+        for p in full.run.model.parameters()
     }
     full.train()
-    after = gather_full_state_dict(full.model)
+    after = gather_full_state_dict(full.run.model)
     lora = Trainer(
         make_cfg(
             paths,
@@ -296,7 +296,7 @@ def _bf16_worker(d, paths: dict, root: str) -> None:
         dist=d,
     )
     lora.train()
-    adapters = {str(p.to_local().dtype) for k, p in lora.model.named_parameters() if "lora_" in k}
+    adapters = {str(p.to_local().dtype) for k, p in lora.run.model.named_parameters() if "lora_" in k}
     if d.rank == 0:
         changed = sum(int((after[k] != before[k]).sum()) for k in before)
         total = sum(v.numel() for v in before.values())
@@ -304,7 +304,7 @@ def _bf16_worker(d, paths: dict, root: str) -> None:
             "moved": changed / total,
             "local": local,
             "adapters": sorted(adapters),
-            "param_dtype": str(fsdp_param_dtype(full.cfg, full.precision)),
+            "param_dtype": str(fsdp_param_dtype(full.cfg, full.run.precision)),
         }
         (Path(root) / "bf16.json").write_text(json.dumps(report))
 
