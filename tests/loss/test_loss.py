@@ -420,7 +420,7 @@ def test_a_shared_head_gives_what_two_heads_give(kw):
 def test_top1_agreement_takes_the_first_of_tied_maxima_like_argmax():
     """The kernel counts agreement with ``max(-1).indices`` (faster than ``argmax`` on a CPU); both take
     the first maximal index, so rows whose maxima tie count as argmax counts them. Exact: no arithmetic."""
-    from opsd.loss.fused import chunk_log_probs
+    from opsd.loss.kernels import chunk_log_probs
 
     a = torch.zeros(4, 8, dtype=torch.float64)
     b = torch.zeros(4, 8, dtype=torch.float64)
@@ -437,7 +437,7 @@ def test_top1_agreement_takes_the_first_of_tied_maxima_like_argmax():
 def test_sampled_tokens_log_probs_come_from_the_kernels_log_softmax():
     """``lp`` is filled from the kernel's own ``log S`` (the block log_softmax wrote), bit for bit,
     not from a separate logsumexp pass."""
-    from opsd.loss.fused import chunk_log_probs
+    from opsd.loss.kernels import chunk_log_probs
 
     g = torch.Generator().manual_seed(4)
     a, b = (torch.randn(5, 50, generator=g) * 6 for _ in range(2))
@@ -452,7 +452,7 @@ def test_sampled_tokens_log_probs_come_from_the_kernels_log_softmax():
 def test_log_probs_are_written_into_the_logit_blocks(dtype):
     """Over the full vocabulary the kernel's log S and log P take the logit blocks' memory (two [c, V]
     blocks fewer per chunk) and hold exactly what log_softmax gives (the same kernel, written in place)."""
-    from opsd.loss.fused import chunk_log_probs
+    from opsd.loss.kernels import chunk_log_probs
 
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randn(6, 300, generator=g, dtype=dtype) * 8 for _ in range(2))
@@ -798,10 +798,10 @@ def test_shape_errors():
 
 
 def test_every_mode_has_one_kernel_and_one_reference():
-    """A loss mode is a name in spec.MODES, a chunk kernel in fused.KERNELS and a dense reference in
+    """A loss mode is a name in spec.MODES, a chunk kernel in kernels.KERNELS and a dense reference in
     reference.DENSE (docs/architecture.md); the three tables name the same modes."""
     from opsd.loss import MODES
-    from opsd.loss.fused import KERNELS
+    from opsd.loss.kernels import KERNELS
     from opsd.loss.reference import DENSE
 
     assert set(KERNELS) == set(DENSE) == set(MODES)
