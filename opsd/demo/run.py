@@ -190,7 +190,7 @@ def _run_opsd(
     demo's overrides, evaluated on the held-out set every ``s.eval_every`` steps. A run cut short
     resumes from its last checkpoint; a finished one starts afresh."""
     from opsd.checkpoint import latest_checkpoint
-    from opsd.compare import Budget, EvalPoint, run_trainer_method
+    from opsd.compare import Budget, EvalPoint, MethodJob, run_trainer_method
 
     t0 = time.time()
     _check_run_dir(run_dir)
@@ -201,7 +201,7 @@ def _run_opsd(
     budget = Budget(s.opsd_steps, s.prompts_per_step, s.eval_every)
     start = EvalPoint(0, p.student_before, 0, 0.0)  # prepare() measured it: not evaluated again
     method = "control" if control else "opsd"
-    run = run_trainer_method(method, s.seed, None, overrides, [], run_dir, budget, start, progress)
+    run = run_trainer_method(MethodJob(method, s.seed, None, overrides, run_dir), budget, start, progress)
     (run_dir / "demo.json").write_text(json.dumps({"settings": asdict(s), "control": control}, indent=2))
     # `opsd report` reads eval.jsonl: "accuracy" -> eval/accuracy
     keys = ("step", "accuracy", "generated_tokens", "train_seconds")
