@@ -106,7 +106,7 @@ def summarize(result: dict) -> dict:
     }
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--n", type=int, default=100, help="at most this many problems per dataset (a prefix)")
     p.add_argument("--budget-min", type=float, default=11.0, help="time budget per dataset, minutes")
@@ -117,39 +117,11 @@ def main() -> int:
     )
     p.add_argument("--reuse", action="store_true", help="keep a saved result whose settings match")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
-    args = p.parse_args()
+    return p.parse_args()
 
-    path = cached_model_path("smollm2-135m-instruct")
-    if path is None:
-        print("SKIP: SmolLM2-135M-Instruct is not fetched; run `opsd fetch-model smollm2-135m-instruct`")
-        return 0
-    names = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    if unknown := [d for d in names if d not in DATASETS]:
-        raise ValueError(f"unknown datasets {unknown}; allowed: {sorted(DATASETS)}")
-    missing = [DATASETS[d][0] for d in names if not (SHARED / DATASETS[d][0]).exists()]
-    if missing:
-        print(f"SKIP: {missing} not found in {SHARED}")
-        return 0
 
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    model = tok = None
-    for name in names:
-        saved = OUT_DIR / f"{DATASETS[name][0].removesuffix('.jsonl')}.result.json"
-        if args.reuse and saved.exists() and json.loads(saved.read_text())["settings"] == _settings(args):
-            print(f"{name}: reusing {saved}")
-            continue
-        if model is None:
-            tok = load_tokenizer(str(path))
-            model = load_model(str(path), dtype="float32", device="cpu")
-        run_dataset(model, tok, name, args)
-
-    rows = []
-    for fname, _, _ in DATASETS.values():
-        saved = OUT_DIR / f"{fname.removesuffix('.jsonl')}.result.json"
-        if saved.exists() and json.loads(saved.read_text())["settings"] == _settings(args):
-            rows.append(summarize(json.loads(saved.read_text())))
-
-    machine = machine_info()
+def _table(rows: list[dict]) -> list[str]:
+    """The section's table: one row per dataset's summary (:func:`summarize`)."""
     columns = [
         "dataset",
         "problems",
@@ -182,14 +154,20 @@ def main() -> int:
             f"{r['load_avg_end']:.1f}",
         ]
         table.append("| " + " | ".join(cells) + " |")
+    return table
+
+
+def _body(rows: list[dict], path: Path, args: argparse.Namespace) -> str:
+    """The results.md section: the table and how it was measured."""
+    machine = machine_info()
     cores = machine["cpu_count"]
-    body = "\n".join(
+    return "\n".join(
         [
             f"SmolLM2-135M-Instruct (`{path.name}`, fetched by `opsd fetch-model`), measured "
             f"{rows[0]['date']} with `python bench/eval_baseline.py` (`--budget-min` per dataset as in the "
             "table).",
             "",
-            *table,
+            *_table(rows),
             "",
             f"- Settings: k=1, greedy (temperature 0), max_new_tokens={args.max_new_tokens}, HF engine batch "
             f"{args.batch_size}, float32, the training chat template and student instruction "
@@ -208,6 +186,40 @@ def main() -> int:
             *[f"- {r['dataset']}: {r['note']}." for r in rows if r.get("note")],
         ]
     )
+
+
+def main() -> int:
+    args = _parse_args()
+    path = cached_model_path("smollm2-135m-instruct")
+    if path is None:
+        print("SKIP: SmolLM2-135M-Instruct is not fetched; run `opsd fetch-model smollm2-135m-instruct`")
+        return 0
+    names = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    if unknown := [d for d in names if d not in DATASETS]:
+        raise ValueError(f"unknown datasets {unknown}; allowed: {sorted(DATASETS)}")
+    missing = [DATASETS[d][0] for d in names if not (SHARED / DATASETS[d][0]).exists()]
+    if missing:
+        print(f"SKIP: {missing} not found in {SHARED}")
+        return 0
+
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    model = tok = None
+    for name in names:
+        saved = OUT_DIR / f"{DATASETS[name][0].removesuffix('.jsonl')}.result.json"
+        if args.reuse and saved.exists() and json.loads(saved.read_text())["settings"] == _settings(args):
+            print(f"{name}: reusing {saved}")
+            continue
+        if model is None:
+            tok = load_tokenizer(str(path))
+            model = load_model(str(path), dtype="float32", device="cpu")
+        run_dataset(model, tok, name, args)
+
+    rows = []
+    for fname, _, _ in DATASETS.values():
+        saved = OUT_DIR / f"{fname.removesuffix('.jsonl')}.result.json"
+        if saved.exists() and json.loads(saved.read_text())["settings"] == _settings(args):
+            rows.append(summarize(json.loads(saved.read_text())))
+    body = _body(rows, path, args)
     write_section(args.out, HEADING, body)
     print(body)
     return 0

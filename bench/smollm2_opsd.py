@@ -112,7 +112,7 @@ def math500_accuracy(trainer, examples: list, max_new_tokens: int, batch_size: i
     }
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--prompts", type=int, default=8, help="problems per step")
@@ -130,28 +130,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-smollm2-opsd")
     ap.add_argument("--md", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    from opsd.config import load_config
+
+def _write_data(args: argparse.Namespace) -> tuple[list, list]:
+    """OUT/train.jsonl and OUT/heldout.jsonl (the last --heldout rows of MATH train, held out; training
+    draws from the rest), and the held-out and MATH-500 examples."""
     from opsd.data import load_examples
-    from opsd.devices import resolve_device
-    from opsd.fetch import cached_model_path
-    from opsd.precision import compute_dtype, dtype_name
-    from opsd.trainer import Trainer
 
-    model = cached_model_path("smollm2-135m-instruct")
-    if model is None:
-        sys.exit("SmolLM2 is not fetched: run `opsd fetch-model smollm2-135m-instruct` first")
-    for f in ("math_train.jsonl", "math500_test.jsonl"):
-        if not (SHARED / f).is_file():
-            sys.exit(f"{SHARED / f} not found (see ../shared/data/README.md)")
-    dev = resolve_device(args.device)
-    device, dtype = (
-        str(dev),
-        dtype_name(compute_dtype(args.dtype, dev)[0]),
-    )  # auto: bf16 where there are bf16 units
-
-    # Data: the last --heldout rows of MATH train are held out; training draws from the rest.
     if args.out.exists():
         shutil.rmtree(args.out)
     args.out.mkdir(parents=True)
@@ -162,9 +148,12 @@ def main() -> None:
     math500 = load_examples(
         str(SHARED / "math500_test.jsonl"), solution_key=None, answer_key="answer", require_answer=True
     ).examples
-    math500 = math500[: args.math500]
+    return heldout, math500[: args.math500]
 
-    overrides = [
+
+def _overrides(args: argparse.Namespace, model: Path, device: str, dtype: str) -> list[str]:
+    """The run's config: examples/smollm2-math.yaml's settings at this benchmark's sizes."""
+    return [
         f"seed={args.seed}",
         f"device={device}",
         f"model.path={model}",
@@ -194,11 +183,11 @@ def main() -> None:
         f"logging.run_dir={args.out / 'run'}",
         "logging.sample_every=10",
     ]
-    cfg = load_config(None, overrides)
-    started, load_before = time.strftime("%Y-%m-%d %H:%M"), _common.load_avgs()
-    print(f"load average before: {load_before}; device {device}, {dtype}", flush=True)
-    t0 = time.time()
-    trainer = Trainer(cfg, overwrite=True)
+
+
+def _before_and_after(trainer, args: argparse.Namespace, heldout: list, math500: list) -> dict:
+    """The held-out divergence and MATH-500 accuracy before and after training, the training's step
+    records, and each phase's seconds (printed as each ends)."""
     timing: dict[str, float] = {}
 
     def timed(name: str, fn):
@@ -223,16 +212,47 @@ def main() -> None:
     acc_after = timed(
         "MATH-500 after", lambda: math500_accuracy(trainer, math500, args.eval_tokens, args.eval_batch)
     )
+    return {
+        "heldout_divergence": {"before": div_before, "after": div_after},
+        "math500": {"before": acc_before, "after": acc_after},
+        "train_divergence": [rec["divergence"] for rec in history],
+        "timing_s": timing,
+    }
+
+
+def main() -> None:
+    args = _parse_args()
+
+    from opsd.config import load_config
+    from opsd.devices import resolve_device
+    from opsd.fetch import cached_model_path
+    from opsd.precision import compute_dtype, dtype_name
+    from opsd.trainer import Trainer
+
+    model = cached_model_path("smollm2-135m-instruct")
+    if model is None:
+        sys.exit("SmolLM2 is not fetched: run `opsd fetch-model smollm2-135m-instruct` first")
+    for f in ("math_train.jsonl", "math500_test.jsonl"):
+        if not (SHARED / f).is_file():
+            sys.exit(f"{SHARED / f} not found (see ../shared/data/README.md)")
+    dev = resolve_device(args.device)
+    device = str(dev)
+    dtype = dtype_name(compute_dtype(args.dtype, dev)[0])  # auto: bf16 where there are bf16 units
+    heldout, math500 = _write_data(args)
+    overrides = _overrides(args, model, device, dtype)
+    cfg = load_config(None, overrides)
+    started, load_before = time.strftime("%Y-%m-%d %H:%M"), _common.load_avgs()
+    print(f"load average before: {load_before}; device {device}, {dtype}", flush=True)
+    t0 = time.time()
+    trainer = Trainer(cfg, overwrite=True)
+    measured = _before_and_after(trainer, args, heldout, math500)
     load_after = _common.load_avgs()
     print(f"load average after: {load_after}", flush=True)
 
     result = {
         "settings": vars(args) | {"out": str(args.out), "md": str(args.md), "device": device, "dtype": dtype},
         "overrides": overrides,
-        "heldout_divergence": {"before": div_before, "after": div_after},
-        "math500": {"before": acc_before, "after": acc_after},
-        "train_divergence": [rec["divergence"] for rec in history],
-        "timing_s": timing,
+        **measured,
         "seconds": time.time() - t0,
         "load": {"before": load_before, "after": load_after},
     }
