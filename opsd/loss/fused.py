@@ -7,9 +7,9 @@ of tempered logits ``a = z_s / T``, ``b = z_t / T`` into its loss and ``d(sum_n 
 one for ``jsd`` and ``topk``, one for ``sampled``.
 The gradient with respect to the student logits ``z_s = T a`` is that divided by ``T``.
 
-Precision against the float64 oracle on the same input values (the bounds ``tests/loss/test_loss.py``
-holds, each with its error model; measured figures: docs/studies/precision.md, "Loss precision
-against the float64 oracle"):
+Precision against the float64 oracle on the same input values (the bounds
+``tests/loss/test_loss_precision.py`` holds, each with its error model; measured figures:
+docs/studies/precision.md, "Loss precision against the float64 oracle"):
 
 * float32 products (the default): where student and teacher nearly agree, ``S - P`` subtracts two
   nearly equal numbers, so a kept token's gradient carries the float32 rounding of its logits
@@ -307,8 +307,8 @@ def fused_linear_distill(
     each (``dL/dz`` rounded to bf16), accumulated in float32. Softmax, divergence and gradient
     arithmetic stay in float32. Six bf16 products per chunk replace four float32 ones. The loss
     stays within 1e-3 relative for ``jsd`` and ``topk``; ``sampled``'s loss value is a small
-    difference of two log-probabilities and loses more. ``tests/loss/test_loss.py`` holds the bounds;
-    docs/studies/precision.md has the measured errors.
+    difference of two log-probabilities and loses more. ``tests/loss/test_loss_precision.py`` holds the
+    bounds; docs/studies/precision.md has the measured errors.
     None (the default) keeps every product in the compute dtype.
 
     ``slab_elements``: the kernels take a chunk's products this many elements (a few rows) at a time,
