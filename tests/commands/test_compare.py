@@ -49,7 +49,7 @@ def _overrides(assets) -> list[str]:
         "eval.limit=2",
         "eval.max_new_tokens=4",
         "eval.divergence=true",
-        "grpo.grader=test_regression:letter_e_reward",
+        "grpo.grader=helpers:letter_e_reward",
         "logging.sample_every=0",
         "rollout.engine=hf",
     ]

@@ -427,7 +427,7 @@ def test_shared_math_and_gsm8k() -> None:
 
 @pytest.mark.slow
 def test_the_data_tests_pass_with_offline_mode_set(tmp_path):
-    """Offline clusters set HF_HUB_OFFLINE=1 before anything reads it: this module's other tests, run
+    """Offline clusters set HF_HUB_OFFLINE=1 before anything reads it: the data room's other tests, run
     again in a process started with it set, pass there too (the ones that need the hub's answers fake
     them and clear the variables they assume)."""
     import os
@@ -441,7 +441,7 @@ def test_the_data_tests_pass_with_offline_mode_set(tmp_path):
             "-q",
             "-p",
             "no:cacheprovider",
-            __file__,
+            str(Path(__file__).parent),
             "-k",
             "not offline_mode_set",
         ],
