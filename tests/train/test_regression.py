@@ -109,7 +109,8 @@ RTOL = 1e-9  # float64 across instruction sets: see the module docstring
 # log-softmax rounds each to about ln(V) * u32 absolute, and a term multiplies at most two of them
 # (sampled: A * log S), so a term, and a weighted mean of terms, is off by at most 2 (ln V)^2 u32.
 # Measured here: 2e-7 at most, under the bound of 4.6e-6. The gradient norm follows the fused kernel's
-# float32 gradient error, held at 3e-4 relative in tests/loss/test_loss_precision.py (measured here: 1e-5 at most).
+# float32 gradient error, held at 3e-4 relative in tests/loss/test_loss_precision.py (measured here:
+# 1e-5 at most).
 U32 = torch.finfo(torch.float32).eps / 2
 VOCAB = 512  # opsd.tiny's tokenizer
 LOSS_ATOL32 = 2 * math.log(VOCAB) ** 2 * U32
