@@ -47,6 +47,7 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
     """The training loss and its statistics on ``examples`` for the trainer's current student: one
     sampled response per problem, scored as a training step scores it, with no gradient or update."""
     from opsd.data import PromptBuilder, make_microbatches, make_sample
+    from opsd.data.batching import TokenWeights
     from opsd.rollout import SamplingParams
 
     cfg = trainer.cfg
@@ -66,9 +67,7 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
         samples,
         max_tokens=trainer.mb_tokens,
         pad_id=trainer.pad_id,
-        reduction=trainer.spec.reduction,
-        global_tokens=tokens,
-        global_seqs=len(samples),
+        weights=TokenWeights(trainer.spec.reduction, tokens, len(samples)),
         device=trainer.device,
     )
     loss_sum, stats = trainer.forward_backward(batches, backward=False)  # the step's own loop, no gradient

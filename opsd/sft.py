@@ -88,7 +88,7 @@ def sft(
     )
     # Widths in buckets where the CPU's bf16 attention keeps a kernel per length (the CPU plan's).
     plan = plan or default_plan(device, autocast_dtype or next(model.parameters()).dtype)
-    bucket = plan.bucket_widths
+    bucket = plan.row_widths().bucket
     rng = random.Random(seed)
     model.train()
     losses = []

@@ -18,7 +18,14 @@ from torch import Tensor
 
 from opsd import checkpoint, distributed, metrics, setup
 from opsd.config import Config
-from opsd.data.batching import MicroBatch, loss_tokens, make_microbatches, make_sample, pad_microbatches
+from opsd.data.batching import (
+    MicroBatch,
+    TokenWeights,
+    loss_tokens,
+    make_microbatches,
+    make_sample,
+    pad_microbatches,
+)
 from opsd.errors import EngineError, TrainingError
 from opsd.eval.heldout import (
     EvalResult,
@@ -168,14 +175,10 @@ class Trainer:
             samples,
             max_tokens=self.mb_tokens,
             pad_id=self.pad_id,
-            reduction=self.spec.reduction,
-            global_tokens=tokens,
-            global_seqs=seqs,
+            weights=TokenWeights(self.spec.reduction, tokens, seqs, skip_end),
             device=self.device,
             min_real_frac=self.cfg.optim.min_real_token_frac,
-            bucket=self.plan.bucket_widths,
-            pack_from=self.plan.pack_from,
-            skip_end=skip_end,
+            widths=self.plan.row_widths(),
         )
         return pad_microbatches(batches, self.pad_id, self.device)
 

@@ -118,17 +118,12 @@ def _random_samples(seed: int, count: int, prompt_lens: tuple[int, int]) -> list
 
 @pytest.mark.parametrize("reduction", ["token", "sequence"])
 def test_microbatches_match_the_trainer(reduction: str) -> None:
+    from opsd.data.batching import TokenWeights
+
     samples = _random_samples(seed=0, count=11, prompt_lens=(3, 20))
     global_tokens, global_seqs = float(sum(s.response_len for s in samples) * 2), float(len(samples) * 2)
-    mbs = make_microbatches(
-        samples,
-        max_tokens=120,
-        pad_id=0,
-        reduction=reduction,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        device="cpu",
-    )
+    weights = TokenWeights(reduction, global_tokens, global_seqs)
+    mbs = make_microbatches(samples, max_tokens=120, pad_id=0, weights=weights, device="cpu")
     groups = pack_microbatches([max(len(s.student_ids), len(s.teacher_ids)) for s in samples], 120)
     assert len(groups) > 2 and [m.sample_indices for m in mbs] == groups  # same groups, same order
     for mb, group in zip(mbs, groups, strict=True):
@@ -151,15 +146,7 @@ def test_microbatches_match_the_trainer(reduction: str) -> None:
     total = torch.cat([m.weights for m in mbs]).double().sum().item()
     assert total == pytest.approx(0.5)  # this rank's half of the global loss weight
     with pytest.raises(ValueError, match="reduction"):
-        make_microbatches(
-            samples,
-            max_tokens=120,
-            pad_id=0,
-            reduction="mean",
-            global_tokens=1.0,
-            global_seqs=1.0,
-            device="cpu",
-        )
+        TokenWeights("mean", 1.0, 1.0)
 
 
 def test_bucket_widths_are_sixteen_per_doubling_and_at_most_six_percent_wider() -> None:
@@ -177,11 +164,13 @@ def test_bucket_widths_are_sixteen_per_doubling_and_at_most_six_percent_wider() 
 def test_microbatch_widths_in_buckets() -> None:
     """With bucket (a CPU in bf16) every padded width is a bucket width, the budget bounds the bucketed
     widths, and the positions still pick the hidden states that predict the targets."""
+    from opsd.cpu import RowWidths
     from opsd.cpu.buckets import bucket_width
+    from opsd.data.batching import TokenWeights
 
     samples = _random_samples(seed=1, count=9, prompt_lens=(30, 60))
-    kw = dict(pad_id=0, reduction="token", global_tokens=100.0, global_seqs=9.0, device="cpu")
-    mbs = make_microbatches(samples, max_tokens=250, bucket=True, **kw)
+    kw = dict(pad_id=0, weights=TokenWeights("token", 100.0, 9.0), device="cpu")
+    mbs = make_microbatches(samples, max_tokens=250, widths=RowWidths(bucket=True), **kw)
     bucketed = [bucket_width(max(len(s.student_ids), len(s.teacher_ids))) for s in samples]
     assert [m.sample_indices for m in mbs] == pack_microbatches(bucketed, 250)
     wider = 0
@@ -208,14 +197,16 @@ def test_packed_microbatches_name_each_rows_width(bucket: bool) -> None:
     """``pack_from`` (a CPU, one process) changes no tensor: where a side's rows differ in width and
     the shortest reaches it, it records each row's own width (its length, or its bucket width, never
     wider than the group's) and counts only those positions as computed; elsewhere rows stay batched."""
+    from opsd.cpu import RowWidths
     from opsd.cpu.buckets import bucket_width
+    from opsd.data.batching import TokenWeights
 
     samples = _random_samples(seed=2, count=9, prompt_lens=(10, 60))
-    kw = dict(pad_id=0, reduction="token", global_tokens=100.0, global_seqs=9.0, device="cpu", bucket=bucket)
-    batched = make_microbatches(samples, max_tokens=250, **kw)
-    never = make_microbatches(samples, max_tokens=250, pack_from=10_000, **kw)
+    kw = dict(pad_id=0, weights=TokenWeights("token", 100.0, 9.0), device="cpu")
+    batched = make_microbatches(samples, max_tokens=250, widths=RowWidths(bucket), **kw)
+    never = make_microbatches(samples, max_tokens=250, widths=RowWidths(bucket, 10_000), **kw)
     assert all(m.student_rows is None and m.teacher_rows is None for m in never)
-    rows = make_microbatches(samples, max_tokens=250, pack_from=1, **kw)
+    rows = make_microbatches(samples, max_tokens=250, widths=RowWidths(bucket, 1), **kw)
     assert [m.sample_indices for m in rows] == [m.sample_indices for m in batched]
     packed = 0
     for k, (a, b) in enumerate(zip(batched, rows)):
@@ -232,6 +223,8 @@ def test_packed_microbatches_name_each_rows_width(bucket: bool) -> None:
             packed += 1
             assert widths == own and all(n <= w <= ids.shape[1] for n, w in zip(lengths, widths))
             assert getattr(b, f"{side}_padded_tokens") == sum(widths) < ids.numel()
-            shortest = make_microbatches(samples, max_tokens=250, pack_from=min(own) + 1, **kw)
+            shortest = make_microbatches(
+                samples, max_tokens=250, widths=RowWidths(bucket, min(own) + 1), **kw
+            )
             assert getattr(shortest[k], f"{side}_rows") is None
     assert packed > 0

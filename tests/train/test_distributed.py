@@ -84,17 +84,10 @@ def _samples(step: int, rank: int, n: int) -> list:
 
 
 def _microbatches(samples: list, global_tokens: float, global_seqs: float) -> list:
-    from opsd.data.batching import make_microbatches
+    from opsd.data.batching import TokenWeights, make_microbatches
 
-    return make_microbatches(
-        samples,
-        max_tokens=1,
-        pad_id=0,
-        reduction="token",
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        device="cpu",
-    )
+    weights = TokenWeights("token", global_tokens, global_seqs)
+    return make_microbatches(samples, max_tokens=1, pad_id=0, weights=weights, device="cpu")
 
 
 def _loss(sh, sw, th, tw, weights, targets):

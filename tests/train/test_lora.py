@@ -155,7 +155,8 @@ def test_final_hidden_of_packed_rows_is_the_batched_forward(tiny_tokenizer, buck
     number of rows): within 1e-12 relative. With ``bucket`` a row keeps padding after its tokens,
     which causal attention cannot see; a row read at another offset, or packed rows attending across
     their bounds, fails it."""
-    from opsd.data.batching import make_microbatches, make_sample
+    from opsd.cpu import RowWidths
+    from opsd.data.batching import TokenWeights, make_microbatches, make_sample
 
     model = _lora(build_tiny_model(tiny_tokenizer, seed=0), target_modules=["q_proj", "v_proj", "down_proj"])
     models.float64_throughout(model.to(torch.float64))
@@ -189,10 +190,8 @@ def test_final_hidden_of_packed_rows_is_the_batched_forward(tiny_tokenizer, buck
             torch.randint(5, 200, (n,), generator=gen).tolist() for n in (s_len, t_len, r_len)
         )
         samples.append(make_sample(s_ids, t_ids, resp, i, "stop"))
-    kw = dict(
-        max_tokens=10_000, pad_id=0, reduction="token", global_tokens=18.0, global_seqs=4.0, device="cpu"
-    )
-    (mb,) = make_microbatches(samples, bucket=bucket, pack_from=1, **kw)
+    kw = dict(max_tokens=10_000, pad_id=0, weights=TokenWeights("token", 18.0, 4.0), device="cpu")
+    (mb,) = make_microbatches(samples, widths=RowWidths(bucket, pack_from=1), **kw)
     assert min(mb.teacher_rows) < mb.teacher_ids.shape[1] and len(set(mb.teacher_rows)) > 1
     real = [len(x.teacher_ids) for x in samples] + [len(x.student_ids) for x in samples]
     assert (mb.teacher_rows + mb.student_rows != real) == bucket  # bucket: padding after some row's tokens
