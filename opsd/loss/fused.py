@@ -101,7 +101,7 @@ def _same_tensor(x: Tensor, y: Tensor) -> bool:
     return same_layout and x.device == y.device and x.data_ptr() == y.data_ptr()
 
 
-def _logits_bf16(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+def logits_bf16(h: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     """``h @ w.T`` as two bfloat16 blocks ``hi + lo``, accurate to about 2^-17 of each logit.
 
     A bf16 product accumulates in float32 but rounds its output to bf16 (2^-9 relative: 0.06 at
@@ -123,12 +123,12 @@ def _head_products(
 
     Student and teacher rows that share a head go through it together: a product's time on a CPU
     grows far less than its rows (bf16 at SmolLM2's head: 512 rows 14.6 ms against 9.7 for 256, the
-    second product of :func:`_logits_bf16` 16.6 against 13.8; float32 90 against 51), because each
+    second product of :func:`logits_bf16` 16.6 against 13.8; float32 90 against 51), because each
     product streams the whole ``[V, H]`` head (timed when this was written).
     """
     if matmul_dtype is None:
         return (h * inv_t) @ w.t(), None
-    return _logits_bf16(h, w)
+    return logits_bf16(h, w)
 
 
 def _slab(hi: Tensor, lo: Tensor | None, rows: slice, inv_t: float) -> Tensor:
@@ -302,7 +302,7 @@ def fused_linear_distill(
 
     ``matmul_dtype=torch.bfloat16`` computes the matrix products in bf16 (hidden states and
     weights are cast to bf16, exactly when they already are), for bf16 models on hardware with
-    bf16 matrix units: each logit block from two bf16 products (:func:`_logits_bf16`, logits to
+    bf16 matrix units: each logit block from two bf16 products (:func:`logits_bf16`, logits to
     about 2^-17 relative), the gradient products ``dL/dz @ W`` and ``(dL/dz)^T @ h`` from one
     each (``dL/dz`` rounded to bf16), accumulated in float32. Softmax, divergence and gradient
     arithmetic stay in float32. Six bf16 products per chunk replace four float32 ones. The loss

@@ -206,7 +206,8 @@ LAYERS: dict[str, list[str]] = {
         opsd.data opsd.data.batching opsd.data.controls opsd.data.prompts opsd.data.sampler
         opsd.data.solutions opsd.data.sources
         opsd.eval.cut opsd.eval.heldout opsd.eval.loop opsd.eval.sets
-        opsd.loss opsd.loss.fused opsd.loss.overlap opsd.loss.policy_gradient opsd.loss.reference
+        opsd.loss opsd.loss.fused opsd.loss.kernels opsd.loss.overlap opsd.loss.policy_gradient
+        opsd.loss.reference
         opsd.rollout opsd.rollout.base opsd.rollout.hf opsd.rollout.make opsd.rollout.queue
         opsd.rollout.remote opsd.rollout.reuse opsd.rollout.vllm
     """.split(),

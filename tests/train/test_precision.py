@@ -320,7 +320,7 @@ def test_loss_products_are_bf16_only_on_bf16_units(cpu_bf16):
 
 def test_the_trainer_uses_bf16_loss_products_on_bf16_units(assets, tmp_path, monkeypatch):
     """With bf16 units the trainer's loss multiplies in bf16 (two products per logit block,
-    opsd/loss/fused.py's _logits_bf16): on the same micro-batches it gives another float than float32
+    opsd/loss/fused.py's logits_bf16): on the same micro-batches it gives another float than float32
     products do, so the path is taken. How close it is to float64 is the kernel's own test
     (tests/loss/test_loss_precision.py, per mode, with its error model); how close two oneDNN builds'
     bf16 products are to each other depends on the instruction set (measured here: 8e-8 with AVX512
