@@ -1,4 +1,4 @@
-"""docs/configuration.md, rendered from the pydantic models of :mod:`opsd.config`.
+"""docs/configuration.md, rendered from the pydantic models of :mod:`opsd.config` (one module per section).
 
 Each section class's docstring and each field's ``description``, type, bounds and default become one
 ``##`` section with a table of dotted keys, in declaration order (nested sections after their
@@ -32,7 +32,8 @@ override (`opsd train --config run.yaml loss.beta=0.5`); `null` is YAML's None. 
 value of the wrong type or out of range, or a combination that makes no sense is refused before
 anything loads, in one line naming the key.
 
-Generated from `opsd/config.py` by `python -m opsd.configdoc`: edit the descriptions there, not here."""
+Generated from the section modules of `opsd/config/` by `python -m opsd.configdoc`: edit the
+descriptions there, not here."""
 
 
 def sections(root: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, type[BaseModel]]]:

@@ -187,8 +187,9 @@ def _top_level_roots(path: Path, anywhere: bool = False) -> list[tuple[str, int]
 def test_light_modules_do_not_import_torch_at_module_level():
     for name in LIGHT:
         path = PKG.parent / (name.replace(".", "/") + ".py")
-        lines = [line for root, line in _top_level_roots(path) if root == "torch"]
-        assert not lines, f"{name} imports torch at module level (line {lines[0]})"
+        for module in [path] if path.is_file() else sorted(path.with_suffix("").rglob("*.py")):
+            lines = [line for root, line in _top_level_roots(module) if root == "torch"]
+            assert not lines, f"{module.name} of {name} imports torch at module level (line {lines[0]})"
 
 
 def test_the_package_imports_no_bench_or_tests():
