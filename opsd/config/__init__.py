@@ -8,10 +8,11 @@ in :mod:`opsd.config.commands`. Light on purpose: pydantic and YAML, no torch.
 """
 
 from opsd.config.base import DeviceSetting, Section, Switch, switch_word
+from opsd.config.commands import EVAL_DEFAULTS, SFT_DEFAULTS, EvalCommand, SFTCommand, require, with_defaults
 from opsd.config.cpu import CpuTuning
 from opsd.config.data import DataConfig
 from opsd.config.eval import EvalConfig, EvalSetConfig, GuardConfig
-from opsd.config.load import load_config, save_config, validate
+from opsd.config.load import flag_overrides, load_config, save_config, validate
 from opsd.config.loss import GRPOConfig, LossConfig, RLSDConfig, TeacherConfig
 from opsd.config.model import LoraConfig, ModelConfig
 from opsd.config.optim import CheckpointConfig, LoggingConfig, OptimConfig, ParallelConfig
@@ -19,6 +20,12 @@ from opsd.config.rollout import ReuseConfig, RolloutConfig, refresh_every_value,
 from opsd.config.root import Config, RunKeys
 
 __all__ = [
+    "EVAL_DEFAULTS",
+    "SFT_DEFAULTS",
+    "EvalCommand",
+    "SFTCommand",
+    "require",
+    "with_defaults",
     "CheckpointConfig",
     "Config",
     "CpuTuning",
@@ -41,6 +48,7 @@ __all__ = [
     "Section",
     "Switch",
     "TeacherConfig",
+    "flag_overrides",
     "load_config",
     "refresh_every_value",
     "resolve_engine",

@@ -50,7 +50,17 @@ class EvalConfig(Section):
         description="Greedy by default, so the curve moves with the weights, not with sampling noise "
         "(`opsd eval` samples at 0.6 to report Avg@k).",
     )
+    top_p: float = Field(
+        0.95,
+        gt=0,
+        le=1,
+        description="Nucleus sampling at a temperature above 0: from the most likely tokens whose "
+        "probabilities sum to top_p; 1: all.",
+    )
     max_new_tokens: int = Field(1024, ge=1, description="The tokens of a response at most.")
+    split: str = Field(
+        "test", description="The split read where eval.path is a saved DatasetDict or a hub dataset."
+    )
     answer_key: str = Field("answer", description="The held-out rows' field holding the final answer.")
     grader: str = Field(
         "math",

@@ -3,6 +3,8 @@ each bad key."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +98,15 @@ def _describe(e: ValidationError) -> str:
 def save_config(cfg: BaseModel, path: Path) -> None:
     """``cfg`` as the YAML file a later ``load_config`` (a resume) reads back."""
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def flag_overrides(args: argparse.Namespace, flags: dict[str, str]) -> list[str]:
+    """Dotted overrides for a command's shorthand flags that were given (argparse dest -> config key).
+
+    Values are written as JSON, which YAML reads back unchanged (a path stays a string, a list a list).
+    """
+    return [
+        f"{key}={json.dumps(str(v) if isinstance(v, Path) else v)}"
+        for dest, key in flags.items()
+        if (v := getattr(args, dest, None)) is not None
+    ]
