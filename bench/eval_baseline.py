@@ -12,15 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
 import _common
 from _md import write_section
 
+from opsd.config import EvalConfig
 from opsd.data import DEFAULT_INSTRUCTION, load_examples
 from opsd.devices import machine_info
-from opsd.eval import evaluate_model
+from opsd.eval import EvalRun, evaluate_model
 from opsd.fetch import cached_model_path
 from opsd.grading import grade_lenient
 from opsd.models import load_model, load_tokenizer
@@ -45,17 +47,16 @@ def run_dataset(model, tok, name: str, args: argparse.Namespace) -> dict:
         str(SHARED / fname), problem_key=pkey, solution_key=None, answer_key=akey, require_answer=True
     ).examples
     s = _settings(args)
-    kw = dict(
-        k=1, temperature=0.0, max_new_tokens=s["max_new_tokens"], batch_size=s["batch_size"], progress=True
-    )
+    e = EvalConfig(k=1, temperature=0.0, max_new_tokens=s["max_new_tokens"])
+    run = EvalRun(batch_size=s["batch_size"], progress=True)
     # Greedy decoding: the probe batch is exactly the first chunk of the full run, so it is kept.
-    probe = evaluate_model(model, tok, examples[: args.batch_size], name=f"{name} probe", **kw)
+    probe = evaluate_model(model, tok, examples[: args.batch_size], e, run=replace(run, name=f"{name} probe"))
     per_problem = probe.seconds / probe.num_problems
     n = min(args.n, len(examples), max(probe.num_problems, int(args.budget_min * 60 / per_problem)))
     print(f"{name}: {per_problem:.2f} s/problem in the probe -> evaluating the first {n}", flush=True)
     items, seconds = list(probe.items), probe.seconds
     if n > probe.num_problems:
-        rest = evaluate_model(model, tok, examples[probe.num_problems : n], name=name, **kw)
+        rest = evaluate_model(model, tok, examples[probe.num_problems : n], e, run=replace(run, name=name))
         items += rest.items
         seconds += rest.seconds
     stem = fname.removesuffix(".jsonl")

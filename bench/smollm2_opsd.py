@@ -84,22 +84,14 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
 
 def math500_accuracy(trainer, examples: list, max_new_tokens: int, batch_size: int) -> dict:
     """Greedy accuracy of the trainer's current student, strict and lenient, from the same responses."""
-    from opsd.eval import evaluate_model
+    from opsd.config import DataConfig, EvalConfig
+    from opsd.eval import EvalRun, evaluate_model
     from opsd.grading import grade_lenient
 
-    res = evaluate_model(
-        trainer.model,
-        trainer.tokenizer,
-        examples,
-        k=1,
-        temperature=0.0,
-        max_new_tokens=max_new_tokens,
-        instruction=trainer.cfg.data.instruction,
-        batch_size=batch_size,
-        engine=trainer.engine,
-        name="MATH-500",
-        progress=True,
-    )
+    e = EvalConfig(k=1, temperature=0.0, max_new_tokens=max_new_tokens)
+    data = DataConfig(instruction=trainer.cfg.data.instruction, max_prompt_len=1 << 20)  # prompts uncut
+    run = EvalRun(engine=trainer.engine, batch_size=batch_size, name="MATH-500", progress=True)
+    res = evaluate_model(trainer.model, trainer.tokenizer, examples, e, data, run)
     lenient = sum(grade_lenient(r, it["gold"]).correct for it in res.items for r in it["responses"])
     return {
         "strict": res.avg_at_k,

@@ -112,6 +112,7 @@ def load_heldout(cfg: Config, *, solutions: bool) -> list[Example]:
         problem_key=d.problem_key,
         solution_key=d.solution_key if solutions else None,
         answer_key=e.answer_key,
+        split=e.split,
         require_answer=True,
     )
     return take_rows(loaded.examples, e.rows, "eval.rows", e.path)[: e.limit]

@@ -28,6 +28,7 @@ from opsd.data.batching import (
 )
 from opsd.errors import EngineError, TrainingError
 from opsd.eval.heldout import (
+    DivergenceStep,
     EvalResult,
     SetResult,
     artifact_share,
@@ -350,11 +351,9 @@ class Trainer:
             self.eval_examples,
             self.eval_prompts,
             partial(self.rollout, n=1, step=-1),
-            self.microbatches,
-            self.divergence_loss,
-            autocast=self.autocast,
-            rank=self.rank,
-            world=self.world,
+            DivergenceStep(self.microbatches, self.divergence_loss, self.autocast),
+            self.rank,
+            self.world,
         )
 
     # ------------------------------------------------------------------------------------------

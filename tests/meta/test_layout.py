@@ -109,6 +109,8 @@ LIGHT = [
     "opsd.devices",
     "opsd.cpu",
 ]
+# Packages light throughout; of the others (opsd.cpu) only the package's face is light.
+LIGHT_WHOLE = {"opsd.config"}
 COMMANDS = ("opsd.cli", "opsd.eval", "opsd.sft", "opsd.demo", "opsd.compare", "opsd.probe")
 
 
@@ -328,9 +330,15 @@ def _top_level_roots(path: Path, anywhere: bool = False) -> list[tuple[str, int]
 def test_light_modules_do_not_import_torch_at_module_level():
     for name in LIGHT:
         path = PKG.parent / (name.replace(".", "/") + ".py")
-        path = path if path.exists() else path.with_suffix("") / "__init__.py"
-        lines = [line for root, line in _top_level_roots(path) if root == "torch"]
-        assert not lines, f"{name} imports torch at module level (line {lines[0]})"
+        if path.is_file():
+            modules = [path]
+        elif name in LIGHT_WHOLE:
+            modules = sorted(path.with_suffix("").rglob("*.py"))
+        else:
+            modules = [path.with_suffix("") / "__init__.py"]
+        for module in modules:
+            lines = [line for root, line in _top_level_roots(module) if root == "torch"]
+            assert not lines, f"{module.name} of {name} imports torch at module level (line {lines[0]})"
 
 
 def test_the_package_imports_no_bench_or_tests():

@@ -353,9 +353,11 @@ def test_the_trainer_uses_bf16_loss_products_on_bf16_units(assets, tmp_path, mon
 
 
 def test_eval_resolves_auto_like_train(assets, cpu_bf16):
-    from opsd.eval import evaluate
+    from opsd.config import EvalCommand, load_config
+    from opsd.eval.cli import evaluate
 
-    (res,) = evaluate(assets["model"], assets["data"], limit=1, max_new_tokens=2, device="cpu").values()
+    keys = [f"model.path={assets['model']}", f"eval.path={assets['data']}", "eval.limit=1", "device=cpu"]
+    (res,) = evaluate(load_config(None, [*keys, "eval.max_new_tokens=2"], schema=EvalCommand)).values()
     assert res.settings["dtype"] == ("bfloat16" if cpu_bf16 else "float32")
 
 
