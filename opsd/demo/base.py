@@ -213,7 +213,7 @@ def demo_sft(
     )
     first = next(model.parameters())
     # Widths in buckets where the CPU's bf16 attention keeps a kernel per length (the CPU plan's).
-    bucket = default_plan(first.device, first.dtype).bucket_widths
+    bucket = default_plan(first.device, first.dtype).row_widths().bucket
     rng = random.Random(s.seed)
     model.train()
     losses = []

@@ -187,15 +187,15 @@ def test_the_command_rule_catches_an_import_from_below():
 # --- arrows run down the house (docs/architecture.md, "Arrows run down the house") ------------------
 
 # Every opsd module's layer, top to bottom, a room a line; a module imports only from its own layer or
-# below. Notes: `opsd` is the package's face (`from opsd import Trainer`); `opsd.eval` re-exports
-# `opsd.eval.cli`; `opsd.metrics`, the step's record, reads the loss's statistics; `opsd.loss.spec`, the
-# loss's options and their rules (no torch), is what the config validates through; `opsd.fetch` is the
+# below. Notes: `opsd` is the package's face (`from opsd import Trainer`); `opsd.eval` is the
+# evaluation loop's face; `opsd.metrics`, the step's record, reads the loss's statistics;
+# `opsd.loss.spec`, the loss's options and their rules (no torch), is what the config validates through; `opsd.fetch` is the
 # model cache, and its `opsd fetch-model` parser imports nothing above it.
 LAYERS: dict[str, list[str]] = {
     "commands": """
         opsd opsd.__main__ opsd.cli opsd.configdoc opsd.env opsd.report opsd.sft opsd.rollout.serve
         opsd.probe opsd.probe_report
-        opsd.eval opsd.eval.cli
+        opsd.eval.cli
         opsd.compare opsd.compare.cli opsd.compare.methods opsd.compare.plan opsd.compare.records
         opsd.compare.report opsd.compare.run opsd.compare.tuning
         opsd.demo opsd.demo.base opsd.demo.cli opsd.demo.compare opsd.demo.run opsd.demo.task
@@ -207,14 +207,16 @@ LAYERS: dict[str, list[str]] = {
         opsd.checkpoint opsd.records opsd.rundir opsd.guard
         opsd.data opsd.data.batching opsd.data.controls opsd.data.prompts opsd.data.sampler
         opsd.data.solutions opsd.data.sources
-        opsd.eval.cut opsd.eval.heldout opsd.eval.loop opsd.eval.sets
+        opsd.eval opsd.eval.cut opsd.eval.heldout opsd.eval.loop opsd.eval.sets
         opsd.loss opsd.loss.fused opsd.loss.kernels opsd.loss.overlap opsd.loss.policy_gradient
         opsd.loss.reference
         opsd.rollout opsd.rollout.base opsd.rollout.hf opsd.rollout.make opsd.rollout.queue
         opsd.rollout.remote opsd.rollout.reuse opsd.rollout.vllm
     """.split(),
     "foundations": """
-        opsd.config opsd.loss.spec opsd.errors
+        opsd.config opsd.config.base opsd.config.commands opsd.config.cpu opsd.config.data opsd.config.eval
+        opsd.config.load opsd.config.loss opsd.config.model opsd.config.optim opsd.config.rollout
+        opsd.config.root opsd.loss.spec opsd.errors
         opsd.models opsd.tiny opsd.fetch
         opsd.devices opsd.precision opsd.distributed opsd.parallel opsd.procs
         opsd.companions opsd.companion_shim opsd.companion_shim.sitecustomize
