@@ -189,8 +189,8 @@ def test_the_command_rule_catches_an_import_from_below():
 # Every opsd module's layer, top to bottom, a room a line; a module imports only from its own layer or
 # below. Notes: `opsd` is the package's face (`from opsd import Trainer`); `opsd.eval` is the
 # evaluation loop's face; `opsd.metrics`, the step's record, reads the loss's statistics;
-# `opsd.loss.spec`, the loss's options and their rules (no torch), is what the config validates through; `opsd.fetch` is the
-# model cache, and its `opsd fetch-model` parser imports nothing above it.
+# `opsd.loss.spec`, the loss's options and their rules (no torch), is what the config validates
+# through; `opsd.fetch` is the model cache, and its `opsd fetch-model` parser imports nothing above it.
 LAYERS: dict[str, list[str]] = {
     "commands": """
         opsd opsd.__main__ opsd.cli opsd.configdoc opsd.env opsd.report opsd.sft opsd.rollout.serve
