@@ -71,9 +71,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'opsd.cpu' has no attribute {name!r}")
 
 
-# The ``cpu`` config section's defaults (:class:`opsd.config.CpuTuning`'s; tests/train/test_cpu.py holds
-# them equal), spelled out because this room imports no config: the config checks its device setting
-# in opsd.devices, which asks this room for the CPU's facts.
+# The ``cpu`` config section's defaults, defined here and read by :class:`opsd.config.CpuTuning`: this
+# room imports no config (the config checks its device setting in opsd.devices, which asks this room for
+# the CPU's facts), and plans with these where no config is given (:func:`default_plan`).
 SECTION_DEFAULTS: Mapping[str, Any] = MappingProxyType(
     {
         "tuning": "auto",

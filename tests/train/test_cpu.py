@@ -99,8 +99,8 @@ def test_engine_settings_reach_each_mechanism_through_the_plan(tiny_model):
 
 
 def test_the_default_plan_is_the_config_sections_defaults():
-    """``default_plan`` resolves :data:`opsd.cpu.SECTION_DEFAULTS`, the ``cpu`` section's defaults
-    spelled out (the room imports no config)."""
+    """``default_plan`` resolves :data:`opsd.cpu.SECTION_DEFAULTS`, the ``cpu`` section's defaults (the
+    room imports no config; the section reads its defaults from there)."""
     from opsd.config import CpuTuning
 
     assert dict(cpu.SECTION_DEFAULTS) == CpuTuning().model_dump()
