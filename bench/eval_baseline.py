@@ -12,15 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
 import _common
 from _md import write_section
 
+from opsd.config import EvalConfig
 from opsd.data import DEFAULT_INSTRUCTION, RowKeys, load_examples
 from opsd.devices import machine_info
-from opsd.eval import evaluate_model
+from opsd.eval import EvalRun, evaluate_model
 from opsd.fetch import cached_model_path
 from opsd.grading import grade_lenient
 from opsd.models import load_model, load_tokenizer
@@ -45,17 +47,16 @@ def run_dataset(model, tok, name: str, args: argparse.Namespace) -> dict:
         str(SHARED / fname), RowKeys(problem=pkey, solution=None, answer=akey), require_answer=True
     ).examples
     s = _settings(args)
-    kw = dict(
-        k=1, temperature=0.0, max_new_tokens=s["max_new_tokens"], batch_size=s["batch_size"], progress=True
-    )
+    e = EvalConfig(k=1, temperature=0.0, max_new_tokens=s["max_new_tokens"])
+    run = EvalRun(batch_size=s["batch_size"], progress=True)
     # Greedy decoding: the probe batch is exactly the first chunk of the full run, so it is kept.
-    probe = evaluate_model(model, tok, examples[: args.batch_size], name=f"{name} probe", **kw)
+    probe = evaluate_model(model, tok, examples[: args.batch_size], e, run=replace(run, name=f"{name} probe"))
     per_problem = probe.seconds / probe.num_problems
     n = min(args.n, len(examples), max(probe.num_problems, int(args.budget_min * 60 / per_problem)))
     print(f"{name}: {per_problem:.2f} s/problem in the probe -> evaluating the first {n}", flush=True)
     items, seconds = list(probe.items), probe.seconds
     if n > probe.num_problems:
-        rest = evaluate_model(model, tok, examples[probe.num_problems : n], name=name, **kw)
+        rest = evaluate_model(model, tok, examples[probe.num_problems : n], e, run=replace(run, name=name))
         items += rest.items
         seconds += rest.seconds
     stem = fname.removesuffix(".jsonl")
@@ -106,7 +107,7 @@ def summarize(result: dict) -> dict:
     }
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--n", type=int, default=100, help="at most this many problems per dataset (a prefix)")
     p.add_argument("--budget-min", type=float, default=11.0, help="time budget per dataset, minutes")
@@ -117,39 +118,11 @@ def main() -> int:
     )
     p.add_argument("--reuse", action="store_true", help="keep a saved result whose settings match")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
-    args = p.parse_args()
+    return p.parse_args()
 
-    path = cached_model_path("smollm2-135m-instruct")
-    if path is None:
-        print("SKIP: SmolLM2-135M-Instruct is not fetched; run `opsd fetch-model smollm2-135m-instruct`")
-        return 0
-    names = [d.strip() for d in args.datasets.split(",") if d.strip()]
-    if unknown := [d for d in names if d not in DATASETS]:
-        raise ValueError(f"unknown datasets {unknown}; allowed: {sorted(DATASETS)}")
-    missing = [DATASETS[d][0] for d in names if not (SHARED / DATASETS[d][0]).exists()]
-    if missing:
-        print(f"SKIP: {missing} not found in {SHARED}")
-        return 0
 
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    model = tok = None
-    for name in names:
-        saved = OUT_DIR / f"{DATASETS[name][0].removesuffix('.jsonl')}.result.json"
-        if args.reuse and saved.exists() and json.loads(saved.read_text())["settings"] == _settings(args):
-            print(f"{name}: reusing {saved}")
-            continue
-        if model is None:
-            tok = load_tokenizer(str(path))
-            model = load_model(str(path), dtype="float32", device="cpu")
-        run_dataset(model, tok, name, args)
-
-    rows = []
-    for fname, _, _ in DATASETS.values():
-        saved = OUT_DIR / f"{fname.removesuffix('.jsonl')}.result.json"
-        if saved.exists() and json.loads(saved.read_text())["settings"] == _settings(args):
-            rows.append(summarize(json.loads(saved.read_text())))
-
-    machine = machine_info()
+def _table(rows: list[dict]) -> list[str]:
+    """The section's table: one row per dataset's summary (:func:`summarize`)."""
     columns = [
         "dataset",
         "problems",
@@ -182,14 +155,20 @@ def main() -> int:
             f"{r['load_avg_end']:.1f}",
         ]
         table.append("| " + " | ".join(cells) + " |")
+    return table
+
+
+def _body(rows: list[dict], path: Path, args: argparse.Namespace) -> str:
+    """The results.md section: the table and how it was measured."""
+    machine = machine_info()
     cores = machine["cpu_count"]
-    body = "\n".join(
+    return "\n".join(
         [
             f"SmolLM2-135M-Instruct (`{path.name}`, fetched by `opsd fetch-model`), measured "
             f"{rows[0]['date']} with `python bench/eval_baseline.py` (`--budget-min` per dataset as in the "
             "table).",
             "",
-            *table,
+            *_table(rows),
             "",
             f"- Settings: k=1, greedy (temperature 0), max_new_tokens={args.max_new_tokens}, HF engine batch "
             f"{args.batch_size}, float32, the training chat template and student instruction "
@@ -208,6 +187,40 @@ def main() -> int:
             *[f"- {r['dataset']}: {r['note']}." for r in rows if r.get("note")],
         ]
     )
+
+
+def main() -> int:
+    args = _parse_args()
+    path = cached_model_path("smollm2-135m-instruct")
+    if path is None:
+        print("SKIP: SmolLM2-135M-Instruct is not fetched; run `opsd fetch-model smollm2-135m-instruct`")
+        return 0
+    names = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    if unknown := [d for d in names if d not in DATASETS]:
+        raise ValueError(f"unknown datasets {unknown}; allowed: {sorted(DATASETS)}")
+    missing = [DATASETS[d][0] for d in names if not (SHARED / DATASETS[d][0]).exists()]
+    if missing:
+        print(f"SKIP: {missing} not found in {SHARED}")
+        return 0
+
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    model = tok = None
+    for name in names:
+        saved = OUT_DIR / f"{DATASETS[name][0].removesuffix('.jsonl')}.result.json"
+        if args.reuse and saved.exists() and json.loads(saved.read_text())["settings"] == _settings(args):
+            print(f"{name}: reusing {saved}")
+            continue
+        if model is None:
+            tok = load_tokenizer(str(path))
+            model = load_model(str(path), dtype="float32", device="cpu")
+        run_dataset(model, tok, name, args)
+
+    rows = []
+    for fname, _, _ in DATASETS.values():
+        saved = OUT_DIR / f"{fname.removesuffix('.jsonl')}.result.json"
+        if saved.exists() and json.loads(saved.read_text())["settings"] == _settings(args):
+            rows.append(summarize(json.loads(saved.read_text())))
+    body = _body(rows, path, args)
     write_section(args.out, HEADING, body)
     print(body)
     return 0

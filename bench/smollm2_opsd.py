@@ -47,6 +47,7 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
     """The training loss and its statistics on ``examples`` for the trainer's current student: one
     sampled response per problem, scored as a training step scores it, with no gradient or update."""
     from opsd.data import PromptBuilder, make_microbatches, make_sample
+    from opsd.data.batching import TokenWeights
     from opsd.rollout import SamplingParams
 
     cfg = trainer.cfg
@@ -66,9 +67,7 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
         samples,
         max_tokens=trainer.run.mb_tokens,
         pad_id=trainer.run.pad_id,
-        reduction=trainer.run.spec.reduction,
-        global_tokens=tokens,
-        global_seqs=len(samples),
+        weights=TokenWeights(trainer.run.spec.reduction, tokens, len(samples)),
         device=trainer.run.dist.device,
     )
     loss_sum, stats = trainer.run.forward_backward(
@@ -87,22 +86,14 @@ def heldout_divergence(trainer, examples: list, *, seed: int = 0) -> dict:
 
 def math500_accuracy(trainer, examples: list, max_new_tokens: int, batch_size: int) -> dict:
     """Greedy accuracy of the trainer's current student, strict and lenient, from the same responses."""
-    from opsd.eval import evaluate_model
+    from opsd.config import DataConfig, EvalConfig
+    from opsd.eval import EvalRun, evaluate_model
     from opsd.grading import grade_lenient
 
-    res = evaluate_model(
-        trainer.run.model,
-        trainer.run.tokenizer,
-        examples,
-        k=1,
-        temperature=0.0,
-        max_new_tokens=max_new_tokens,
-        instruction=trainer.cfg.data.instruction,
-        batch_size=batch_size,
-        engine=trainer.run.engine,
-        name="MATH-500",
-        progress=True,
-    )
+    e = EvalConfig(k=1, temperature=0.0, max_new_tokens=max_new_tokens)
+    data = DataConfig(instruction=trainer.cfg.data.instruction, max_prompt_len=1 << 20)  # prompts uncut
+    run = EvalRun(engine=trainer.run.engine, batch_size=batch_size, name="MATH-500", progress=True)
+    res = evaluate_model(trainer.run.model, trainer.run.tokenizer, examples, e, data, run)
     lenient = sum(grade_lenient(r, it["gold"]).correct for it in res.items for r in it["responses"])
     return {
         "strict": res.avg_at_k,
@@ -114,7 +105,7 @@ def math500_accuracy(trainer, examples: list, max_new_tokens: int, batch_size: i
     }
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--prompts", type=int, default=8, help="problems per step")
@@ -132,28 +123,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-smollm2-opsd")
     ap.add_argument("--md", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--no-write", action="store_true", help="print the section instead of writing it")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    from opsd.config import load_config
+
+def _write_data(args: argparse.Namespace) -> tuple[list, list]:
+    """OUT/train.jsonl and OUT/heldout.jsonl (the last --heldout rows of MATH train, held out; training
+    draws from the rest), and the held-out and MATH-500 examples."""
     from opsd.data import RowKeys, load_examples
-    from opsd.devices import resolve_device
-    from opsd.fetch import cached_model_path
-    from opsd.precision import compute_dtype, dtype_name
-    from opsd.trainer import Trainer
 
-    model = cached_model_path("smollm2-135m-instruct")
-    if model is None:
-        sys.exit("SmolLM2 is not fetched: run `opsd fetch-model smollm2-135m-instruct` first")
-    for f in ("math_train.jsonl", "math500_test.jsonl"):
-        if not (SHARED / f).is_file():
-            sys.exit(f"{SHARED / f} not found (see ../shared/data/README.md)")
-    dev = resolve_device(args.device)
-    device, dtype = (
-        str(dev),
-        dtype_name(compute_dtype(args.dtype, dev)[0]),
-    )  # auto: bf16 where there are bf16 units
-
-    # Data: the last --heldout rows of MATH train are held out; training draws from the rest.
     if args.out.exists():
         shutil.rmtree(args.out)
     args.out.mkdir(parents=True)
@@ -164,9 +141,12 @@ def main() -> None:
     math500 = load_examples(
         str(SHARED / "math500_test.jsonl"), RowKeys(solution=None, answer="answer"), require_answer=True
     ).examples
-    math500 = math500[: args.math500]
+    return heldout, math500[: args.math500]
 
-    overrides = [
+
+def _overrides(args: argparse.Namespace, model: Path, device: str, dtype: str) -> list[str]:
+    """The run's config: examples/smollm2-math.yaml's settings at this benchmark's sizes."""
+    return [
         f"seed={args.seed}",
         f"device={device}",
         f"model.path={model}",
@@ -196,11 +176,11 @@ def main() -> None:
         f"logging.run_dir={args.out / 'run'}",
         "logging.sample_every=10",
     ]
-    cfg = load_config(None, overrides)
-    started, load_before = time.strftime("%Y-%m-%d %H:%M"), _common.load_avgs()
-    print(f"load average before: {load_before}; device {device}, {dtype}", flush=True)
-    t0 = time.time()
-    trainer = Trainer(cfg, overwrite=True)
+
+
+def _before_and_after(trainer, args: argparse.Namespace, heldout: list, math500: list) -> dict:
+    """The held-out divergence and MATH-500 accuracy before and after training, the training's step
+    records, and each phase's seconds (printed as each ends)."""
     timing: dict[str, float] = {}
 
     def timed(name: str, fn):
@@ -225,16 +205,47 @@ def main() -> None:
     acc_after = timed(
         "MATH-500 after", lambda: math500_accuracy(trainer, math500, args.eval_tokens, args.eval_batch)
     )
+    return {
+        "heldout_divergence": {"before": div_before, "after": div_after},
+        "math500": {"before": acc_before, "after": acc_after},
+        "train_divergence": [rec["divergence"] for rec in history],
+        "timing_s": timing,
+    }
+
+
+def main() -> None:
+    args = _parse_args()
+
+    from opsd.config import load_config
+    from opsd.devices import resolve_device
+    from opsd.fetch import cached_model_path
+    from opsd.precision import compute_dtype, dtype_name
+    from opsd.trainer import Trainer
+
+    model = cached_model_path("smollm2-135m-instruct")
+    if model is None:
+        sys.exit("SmolLM2 is not fetched: run `opsd fetch-model smollm2-135m-instruct` first")
+    for f in ("math_train.jsonl", "math500_test.jsonl"):
+        if not (SHARED / f).is_file():
+            sys.exit(f"{SHARED / f} not found (see ../shared/data/README.md)")
+    dev = resolve_device(args.device)
+    device = str(dev)
+    dtype = dtype_name(compute_dtype(args.dtype, dev)[0])  # auto: bf16 where there are bf16 units
+    heldout, math500 = _write_data(args)
+    overrides = _overrides(args, model, device, dtype)
+    cfg = load_config(None, overrides)
+    started, load_before = time.strftime("%Y-%m-%d %H:%M"), _common.load_avgs()
+    print(f"load average before: {load_before}; device {device}, {dtype}", flush=True)
+    t0 = time.time()
+    trainer = Trainer(cfg, overwrite=True)
+    measured = _before_and_after(trainer, args, heldout, math500)
     load_after = _common.load_avgs()
     print(f"load average after: {load_after}", flush=True)
 
     result = {
         "settings": vars(args) | {"out": str(args.out), "md": str(args.md), "device": device, "dtype": dtype},
         "overrides": overrides,
-        "heldout_divergence": {"before": div_before, "after": div_after},
-        "math500": {"before": acc_before, "after": acc_after},
-        "train_divergence": [rec["divergence"] for rec in history],
-        "timing_s": timing,
+        **measured,
         "seconds": time.time() - t0,
         "load": {"before": load_before, "after": load_after},
     }

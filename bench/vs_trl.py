@@ -34,53 +34,25 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import _common  # before anything imports torch (the children do): OMP_WAIT_POLICY
 from _md import write_section
+from _vs_trl_children import ENTRY_CLIP, GRAD_CLIP, LR, PHASES, TEMPERATURE, Work
 
 ROOT = _common.ROOT
 MATH = ROOT.parent / "shared" / "data" / "math_train.jsonl"
 SECTION = "opsd vs TRL SDFT (bench/vs_trl.py)"  # one section: the latest run, its engine named inside
 SIDES = ("opsd", "trl")
-PHASES = ("rollout", "teacher", "student", "loss", "optim")
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-MAX_PROMPT_LEN = 1024  # TRL's max_prompt_length cuts student and teacher prompts alike
 LOAD_LIMIT = 0.5  # 1-minute load average at or above which a timed run is "under load"
-# TRL's default teacher prompt is "{prompt}\n\n{privileged_context}" with the prompt being the last user
-# message (problem + instruction); this opsd template renders the same text.
-OPSD_TEACHER_TEMPLATE = "{problem}\n\n{instruction}\n\n{solution}"
-LR, GRAD_CLIP, SEED = 5e-6, 0.1, 0
-TEMPERATURE, ENTRY_CLIP = 1.1, 0.05  # bench/train_step.py's
-
-
-@dataclass
-class Work:
-    """What one run does; written to JSON for the child process."""
-
-    side: str
-    dtype: str  # float32 | bfloat16
-    model: str
-    rows_file: str
-    rows_per_step: int
-    measured_steps: int
-    max_new_tokens: int
-    run_dir: str
-    trl_bf16: (
-        str  # weights: load the model in bf16 (as opsd's model.dtype); autocast: fp32 weights, bf16=True
-    )
-    opsd_engine: str  # rollout.engine for opsd (auto: vLLM where installed, else HF)
-    opsd_set: list[str]  # extra opsd config overrides (--opsd-set), after the shared settings
 
 
 # --------------------------------------------------------------------------------------------------
-# The parent: one child per run, load checks, the report
+# The parent: one child per run, load checks, the report; the children: bench/_vs_trl_children.py
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", type=Path, default=MATH)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md")
@@ -132,22 +104,25 @@ def main() -> None:
     ap.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     ap.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    if args.child:
-        import torch
 
-        work = Work(**json.loads(args.work.read_text()))
-        # The float32 product rate before and after: a rate that moved means the VM's share of its host
-        # moved during the run, which the load average inside the VM does not show.
-        rate_before = _common.matmul_rate(torch.float32)
-        steps, info = (_run_opsd if args.child == "opsd" else _run_trl)(work)
-        rates = {"rate_before": rate_before, "rate_after": _common.matmul_rate(torch.float32)}
-        args.result.write_text(json.dumps({"steps": steps, **info, **rates}))
-        return
+def _child(args: argparse.Namespace) -> None:
+    """A child's whole run: its trainer on the work in ``args.work``, its result into ``args.result``."""
+    import torch
+    from _vs_trl_children import run_opsd, run_trl
 
-    if args.smoke:
-        args.rows_per_step, args.measured_steps, args.max_new_tokens, args.no_write = 1, 1, 8, True
+    work = Work(**json.loads(args.work.read_text()))
+    # The float32 product rate before and after: a rate that moved means the VM's share of its host
+    # moved during the run, which the load average inside the VM does not show.
+    rate_before = _common.matmul_rate(torch.float32)
+    steps, info = (run_opsd if args.child == "opsd" else run_trl)(work)
+    rates = {"rate_before": rate_before, "rate_after": _common.matmul_rate(torch.float32)}
+    args.result.write_text(json.dumps({"steps": steps, **info, **rates}))
+
+
+def _dtypes(args: argparse.Namespace) -> list[str]:
+    """The dtypes to run: ``--dtypes``, else float32 and, on a CPU with bf16 units, bfloat16."""
     if args.dtypes is None:
         from opsd.devices import cpu_isa  # light: no torch
 
@@ -155,20 +130,23 @@ def main() -> None:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     if bad := [d for d in dtypes if d not in ("float32", "bfloat16")]:
         sys.exit(f"--dtypes: {bad} not among float32, bfloat16")
-    model = _model_path()
-    if not args.data.is_file():
-        sys.exit(f"{args.data} not found (the public MATH train split, see ../shared/data/README.md)")
-    if importlib.util.find_spec("trl") is None:  # find, not import: trl would import torch here
-        sys.exit("trl is not installed: pip install -e '.[bench]'")
+    return dtypes
 
-    n_rows = args.rows_per_step * (1 + args.measured_steps)
+
+def _rows_file(args: argparse.Namespace, n_rows: int, tmp: Path) -> Path:
+    """The first ``n_rows`` MATH train rows, written where the children read them."""
     rows = [json.loads(x) for x in args.data.read_text().splitlines()[:n_rows]]
     if len(rows) < n_rows:
         sys.exit(f"{args.data} has {len(rows)} rows, the run needs {n_rows}")
-    tmp = Path(tempfile.mkdtemp(prefix="opsd-vs-trl-"))
     rows_file = tmp / "rows.jsonl"
     rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows_file
 
+
+def _all_runs(args: argparse.Namespace, dtypes: list[str], model: str, rows_file: Path) -> list[dict]:
+    """Every side at every dtype, ``--repeats`` times, one child each (after waiting for an idle
+    machine with ``--wait-idle``)."""
+    tmp = rows_file.parent
     runs = []
     for rep in range(args.repeats):
         for dtype in dtypes:
@@ -191,6 +169,27 @@ def main() -> None:
                         print("this run counts as under load", flush=True)
                 runs.append(_run_child(work, tmp))
                 print(_run_line(runs[-1]), flush=True)
+    return runs
+
+
+def main() -> None:
+    args = _parse_args()
+    if args.child:
+        _child(args)
+        return
+
+    if args.smoke:
+        args.rows_per_step, args.measured_steps, args.max_new_tokens, args.no_write = 1, 1, 8, True
+    dtypes = _dtypes(args)
+    model = _model_path()
+    if not args.data.is_file():
+        sys.exit(f"{args.data} not found (the public MATH train split, see ../shared/data/README.md)")
+    if importlib.util.find_spec("trl") is None:  # find, not import: trl would import torch here
+        sys.exit("trl is not installed: pip install -e '.[bench]'")
+
+    n_rows = args.rows_per_step * (1 + args.measured_steps)
+    rows_file = _rows_file(args, n_rows, Path(tempfile.mkdtemp(prefix="opsd-vs-trl-")))
+    runs = _all_runs(args, dtypes, model, rows_file)
 
     body = _report(runs, args, n_rows)
     print("\n" + body)
@@ -292,32 +291,10 @@ def _rates(run: dict) -> str:
 
 
 def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
-    info = runs[0]
-    steps = args.measured_steps
-    teacher_prompt = '"{prompt}\\n\\n{privileged_context}"'
-    trl_bf16 = {
-        "weights": "loads the model in bf16",
-        "autocast": "autocasts fp32 weights (bf16=True)",
-    }[args.trl_bf16]
-    opsd_set = f", with {', '.join(f'`{x}`' for x in args.opsd_set)}" if args.opsd_set else ""
     lines = [
-        f"Machine: {_machine(info)}.",
+        f"Machine: {_machine(runs[0])}.",
         "",
-        "Same work on both sides (`python bench/vs_trl.py`): SmolLM2-135M-Instruct, LoRA r=16 alpha=32 on "
-        f"q/k/v/o/gate/up/down, {args.rows_per_step} prompts per step (MATH train rows "
-        f"{args.rows_per_step}-{n_rows - 1} in file order, rows 0-{args.rows_per_step - 1} warm up), 1 "
-        f"response each of <= {args.max_new_tokens} new tokens at T={TEMPERATURE}, the reference solution as "
-        f"privileged information in TRL's default teacher prompt ({teacher_prompt}; opsd renders the same "
-        f"ids: {_prompt_check(runs)}), forward KL over the full vocabulary at T={TEMPERATURE} (opsd: "
-        f"per-entry clip {ENTRY_CLIP} and per-token reduction, bench/train_step.py's; TRL has no per-entry "
-        f"clip), the base model as teacher, no gradient checkpointing, AdamW lr {LR}, grad clip {GRAD_CLIP}; "
-        f"1 warm-up step, {steps} measured. TRL {info.get('trl', '?')} `SDFTTrainer` "
-        "(distillation_mode=full_logits, distillation_alpha=0, teacher_model_kind=base, "
-        f"per_device_train_batch_size={args.rows_per_step}, "
-        f"num_generations=1, use_cpu); its bf16 run {trl_bf16}. opsd at its default micro-batch "
-        f"budget{opsd_set}. Each run is its own process; peak RSS includes loading. Times are medians "
-        "over the measured steps; the sides sample different responses, so compare per token. Rollout "
-        f"engines: {_engines(runs)}.",
+        _work_text(runs, args, n_rows),
         "",
         "| run | dtype | load before → after | completion tokens | rollout (s) | teacher (s) | student "
         "fwd+bwd (s) | loss (s) | optimizer (s) | whole step (s) | ms / completion token outside generation "
@@ -339,7 +316,47 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
         "",
         "TRL ÷ opsd (above 1: opsd is better; medians over repeats; targets in brackets):",
         "",
+        *_ratio_lines(runs),
+        "",
+        "Phases are not cut at the same places: TRL's teacher and student forwards include the LM head "
+        "(full logits), which opsd computes inside its fused loss; the sums outside generation compare "
+        "like with like. TRL's rollout is `model.generate` on the unmerged LoRA model.",
     ]
+    return "\n".join(lines)
+
+
+def _work_text(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
+    """The report's paragraph on the work both sides do and how each is set up."""
+    info = runs[0]
+    steps = args.measured_steps
+    teacher_prompt = '"{prompt}\\n\\n{privileged_context}"'
+    trl_bf16 = {
+        "weights": "loads the model in bf16",
+        "autocast": "autocasts fp32 weights (bf16=True)",
+    }[args.trl_bf16]
+    opsd_set = f", with {', '.join(f'`{x}`' for x in args.opsd_set)}" if args.opsd_set else ""
+    return (
+        "Same work on both sides (`python bench/vs_trl.py`): SmolLM2-135M-Instruct, LoRA r=16 alpha=32 on "
+        f"q/k/v/o/gate/up/down, {args.rows_per_step} prompts per step (MATH train rows "
+        f"{args.rows_per_step}-{n_rows - 1} in file order, rows 0-{args.rows_per_step - 1} warm up), 1 "
+        f"response each of <= {args.max_new_tokens} new tokens at T={TEMPERATURE}, the reference solution as "
+        f"privileged information in TRL's default teacher prompt ({teacher_prompt}; opsd renders the same "
+        f"ids: {_prompt_check(runs)}), forward KL over the full vocabulary at T={TEMPERATURE} (opsd: "
+        f"per-entry clip {ENTRY_CLIP} and per-token reduction, bench/train_step.py's; TRL has no per-entry "
+        f"clip), the base model as teacher, no gradient checkpointing, AdamW lr {LR}, grad clip {GRAD_CLIP}; "
+        f"1 warm-up step, {steps} measured. TRL {info.get('trl', '?')} `SDFTTrainer` "
+        "(distillation_mode=full_logits, distillation_alpha=0, teacher_model_kind=base, "
+        f"per_device_train_batch_size={args.rows_per_step}, "
+        f"num_generations=1, use_cpu); its bf16 run {trl_bf16}. opsd at its default micro-batch "
+        f"budget{opsd_set}. Each run is its own process; peak RSS includes loading. Times are medians "
+        "over the measured steps; the sides sample different responses, so compare per token. Rollout "
+        f"engines: {_engines(runs)}."
+    )
+
+
+def _ratio_lines(runs: list[dict]) -> list[str]:
+    """Per dtype that both sides ran: TRL's figures over opsd's, medians over repeats."""
+    lines = []
     for dtype in dict.fromkeys(r["dtype"] for r in runs):
         by = {
             side: [
@@ -367,13 +384,7 @@ def _report(runs: list[dict], args: argparse.Namespace, n_rows: int) -> str:
             f"peak RSS {t['rss'] / o['rss']:.2f}× (opsd {o['rss']:.2f} GiB); "
             f"opsd {o['ms_per_token']:.2f} ms per completion token outside generation."
         )
-    lines += [
-        "",
-        "Phases are not cut at the same places: TRL's teacher and student forwards include the LM head "
-        "(full logits), which opsd computes inside its fused loss; the sums outside generation compare "
-        "like with like. TRL's rollout is `model.generate` on the unmerged LoRA model.",
-    ]
-    return "\n".join(lines)
+    return lines
 
 
 def _engines(runs: list[dict]) -> str:
@@ -398,231 +409,6 @@ def _machine(info: dict) -> str:
     return (
         f"{info['machine']}, transformers {info['transformers']}, peft {info['peft']}; both sides {waiting}"
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# The children: one trainer each, timed per phase
-
-
-def _run_opsd(w: Work) -> tuple[list[dict], dict]:
-    """opsd's Trainer; the phase times are its own metrics.jsonl."""
-    from opsd.config import load_config
-    from opsd.cpu import command_defaults
-    from opsd.trainer import Trainer
-
-    cfg = load_config(
-        None,
-        [
-            f"model.path={w.model}",
-            f"model.dtype={w.dtype}",
-            "model.attn_implementation=sdpa",
-            "model.gradient_checkpointing=false",
-            "model.lora.r=16",
-            "model.lora.alpha=32",
-            "model.lora.dropout=0",
-            f"model.lora.target_modules={json.dumps(LORA_TARGETS)}",
-            f"data.path={w.rows_file}",
-            "data.shuffle=false",
-            f"data.max_prompt_len={MAX_PROMPT_LEN}",
-            f"data.max_teacher_prompt_len={MAX_PROMPT_LEN}",
-            f"data.teacher_template={json.dumps(OPSD_TEACHER_TEMPLATE)}",
-            f"rollout.engine={w.opsd_engine}",
-            f"rollout.prompts_per_step={w.rows_per_step}",
-            "rollout.n=1",
-            f"rollout.max_new_tokens={w.max_new_tokens}",
-            f"rollout.temperature={TEMPERATURE}",
-            "rollout.top_p=1.0",
-            "rollout.top_k=0",
-            "loss.mode=jsd",
-            "loss.beta=0",
-            "loss.clip_mode=entry",
-            f"loss.clip={ENTRY_CLIP}",
-            "loss.reduction=token",
-            f"loss.temperature={TEMPERATURE}",
-            "teacher.mode=fixed",
-            f"optim.max_steps={1 + w.measured_steps}",
-            f"optim.lr={LR}",
-            f"optim.grad_clip={GRAD_CLIP}",
-            "optim.scheduler=constant",
-            "checkpoint.enabled=false",
-            f"logging.run_dir={w.run_dir}",
-            "logging.progress=false",
-            "logging.sample_every=0",
-            "device=cpu",
-            f"seed={SEED}",
-            *w.opsd_set,
-        ],
-    )
-    cfg = command_defaults(cfg)  # the `opsd` command's defaults (cpu.tune_malloc), as `opsd train` runs
-    trainer = Trainer(cfg)
-    engine = type(trainer.run.engine).__name__
-    trainer.train()
-    recs = [json.loads(x) for x in (Path(w.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    keys = ("tokens", "time_step", *(f"time_{p}" for p in PHASES))
-    return [{k: r[k] for k in keys} for r in recs[1:]], {**_versions(), "engine": engine}
-
-
-def _run_trl(w: Work) -> tuple[list[dict], dict]:
-    """TRL's SDFTTrainer with timers around its own methods; its computation is untouched."""
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import TrainerCallback
-    from trl.experimental.sdft import SDFTConfig, SDFTTrainer
-
-    from opsd.data.prompts import DEFAULT_INSTRUCTION
-
-    class TimedSDFT(SDFTTrainer):
-        """Adds up wall-clock time per phase into ``bench_steps[-1]``."""
-
-        def __init__(self, *a, **kw) -> None:
-            super().__init__(*a, **kw)
-            self.bench_steps: list[dict] = []
-            backward = self.accelerator.backward
-
-            def timed_backward(loss, **kwargs):
-                with self._phase("student"):
-                    return backward(loss, **kwargs)
-
-            self.accelerator.backward = timed_backward
-
-        @contextmanager
-        def _phase(self, name: str):
-            t = time.perf_counter()
-            try:
-                yield
-            finally:
-                self.bench_steps[-1][f"time_{name}"] += time.perf_counter() - t
-
-        def training_step(self, model, inputs, num_items_in_batch=None):
-            self.bench_steps.append(
-                {"tokens": 0, "t0": time.perf_counter(), **{f"time_{p}": 0.0 for p in PHASES}}
-            )
-            out = super().training_step(model, inputs, num_items_in_batch)
-            self.bench_steps[-1]["t_train_end"] = time.perf_counter()
-            return out
-
-        def _generate(self, prompt_ids):
-            with self._phase("rollout"):
-                prompt_ids, completions = super()._generate(prompt_ids)
-            self.bench_steps[-1]["tokens"] += sum(len(c) for c in completions)
-            return prompt_ids, completions
-
-        def _forward_logits(self, model, input_ids, attention_mask, logits_to_keep):
-            with self._phase("student" if torch.is_grad_enabled() else "teacher"):
-                return super()._forward_logits(model, input_ids, attention_mask, logits_to_keep)
-
-        def _compute_self_distillation_loss(self, model, inputs, distillation_logits):
-            with self._phase("loss"):
-                return super()._compute_self_distillation_loss(model, inputs, distillation_logits)
-
-    class StepEnd(TrainerCallback):
-        """Clip, optimizer step, schedule and zero_grad run between training_step and on_step_end."""
-
-        def on_step_end(self, args, state, control, **kwargs):
-            rec = trainer.bench_steps[-1]
-            now = time.perf_counter()
-            rec["time_optim"] += now - rec.pop("t_train_end")
-            rec["time_step"] = now - rec.pop("t0")
-
-    rows = [json.loads(x) for x in Path(w.rows_file).read_text().splitlines()]
-    examples = [
-        {
-            "prompt": [{"role": "user", "content": f"{r['problem']}\n\n{DEFAULT_INSTRUCTION}"}],
-            "privileged_context": r["solution"],
-        }
-        for r in rows
-    ]
-    autocast = w.dtype == "bfloat16" and w.trl_bf16 == "autocast"
-    weights = torch.bfloat16 if w.dtype == "bfloat16" and not autocast else torch.float32
-    args = SDFTConfig(
-        output_dir=w.run_dir,
-        per_device_train_batch_size=w.rows_per_step,
-        gradient_accumulation_steps=1,
-        num_generations=1,
-        distillation_mode="full_logits",
-        distillation_alpha=0.0,
-        teacher_model_kind="base",
-        max_prompt_length=MAX_PROMPT_LEN,
-        max_completion_length=w.max_new_tokens,
-        temperature=TEMPERATURE,
-        top_p=1.0,
-        top_k=0,
-        shuffle_dataset=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        bf16=autocast,
-        model_init_kwargs={"dtype": weights, "attn_implementation": "sdpa"},
-        max_steps=1 + w.measured_steps,
-        learning_rate=LR,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=GRAD_CLIP,
-        optim="adamw_torch",
-        seed=SEED,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    lora = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
-    )
-    trainer = TimedSDFT(
-        model=w.model,
-        args=args,
-        train_dataset=Dataset.from_list(examples),
-        peft_config=lora,
-        callbacks=[StepEnd()],
-    )
-    mismatches = _compare_prompts(trainer, examples, rows)
-    trainer.train()
-    engine = "vLLM" if args.use_vllm else "HF generate"
-    return trainer.bench_steps[1:], {**_versions(), "prompt_mismatches": mismatches, "engine": engine}
-
-
-def _compare_prompts(trainer, examples: list[dict], rows: list[dict]) -> int | None:
-    """How many student or teacher prompts TRL tokenizes differently from opsd (0 is the point)."""
-    from opsd.data.prompts import student_prompt_ids, teacher_prompt_ids
-
-    try:  # TRL's own (private) prompt path, exactly as its training step uses it
-        prompts, contexts = [e["prompt"] for e in examples], [e["privileged_context"] for e in examples]
-        trl_student = trainer._tokenize_prompts(prompts)
-        trl_teacher = trainer._tokenize_prompts(
-            [trainer.teacher_context_builder._compose_teacher_prompt(p, c) for p, c in zip(prompts, contexts)]
-        )
-    except AttributeError as err:  # a TRL version whose internals moved
-        print(f"prompt check skipped: {err}", file=sys.stderr)
-        return None
-    tok, bad = trainer._tokenizer, 0
-    for r, s, t in zip(rows, trl_student, trl_teacher):
-        bad += student_prompt_ids(tok, r["problem"], max_len=MAX_PROMPT_LEN)[0] != list(s)
-        bad += teacher_prompt_ids(
-            tok, r["problem"], r["solution"], template=OPSD_TEACHER_TEMPLATE, max_len=MAX_PROMPT_LEN
-        )[0] != list(t)
-    return bad
-
-
-def _versions() -> dict:
-    import peft
-    import torch
-    import transformers
-
-    try:
-        import trl
-
-        trl_version = trl.__version__
-    except ImportError:
-        trl_version = None
-    return {
-        "machine": _common.describe_machine(),  # torch's version and this child's thread count
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "transformers": transformers.__version__,
-        "peft": peft.__version__,
-        "trl": trl_version,
-    }
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from opsd import __version__
-from opsd.cpu.openmp import openmp_waiting
+from opsd.cpu import openmp_waiting
 from opsd.errors import TrainingError, UserError
 
 

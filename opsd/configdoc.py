@@ -1,4 +1,4 @@
-"""docs/configuration.md, rendered from the pydantic models of :mod:`opsd.config`.
+"""docs/configuration.md, rendered from the pydantic models of :mod:`opsd.config` (one module per section).
 
 Each section class's docstring and each field's ``description``, type, bounds and default become one
 ``##`` section with a table of dotted keys, in declaration order (nested sections after their
@@ -26,13 +26,15 @@ STALE = "docs/configuration.md is out of date: run python -m opsd.configdoc"
 _INLINE_DEFAULT = 40  # characters; a longer or multi-line default is printed under its table
 
 _INTRO = """\
-Every key of the training configuration (`opsd train`), with its type, default and meaning. A key is
+Every key of the training configuration (`opsd train`), with its type, default and meaning; `opsd eval`
+and `opsd sft` (at the end) read the same sections. A key is
 set in its section of the YAML file (`loss:` then `beta: 0.5`) or on the command line as a dotted
 override (`opsd train --config run.yaml loss.beta=0.5`); `null` is YAML's None. An unknown key, a
 value of the wrong type or out of range, or a combination that makes no sense is refused before
 anything loads, in one line naming the key.
 
-Generated from `opsd/config.py` by `python -m opsd.configdoc`: edit the descriptions there, not here."""
+Generated from the section modules of `opsd/config/` by `python -m opsd.configdoc`: edit the
+descriptions there, not here."""
 
 
 def sections(root: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, type[BaseModel]]]:
@@ -56,11 +58,52 @@ def section_doc(model: type[BaseModel]) -> str:
 
 
 def render(root: type[BaseModel] | None = None, title: str = "Configuration") -> str:
-    """The Markdown reference of ``root`` (the training :class:`opsd.config.Config` by default)."""
-    if root is None:
-        from opsd.config import Config
+    """The Markdown reference of ``root`` (by default the training :class:`opsd.config.Config`, then
+    what `opsd eval` and `opsd sft` add to the same sections)."""
+    if root is not None:
+        return _render_tree(root, title)
+    from opsd.config import EVAL_DEFAULTS, SFT_DEFAULTS, Config, EvalCommand, SFTCommand
 
-        root = Config
+    out = [_render_tree(Config, title).rstrip()]
+    for command, schema, defaults in (
+        ("eval", EvalCommand, EVAL_DEFAULTS),
+        ("sft", SFTCommand, SFT_DEFAULTS),
+    ):
+        out += ["", *_command_section(command, schema, defaults, Config)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _command_section(
+    command: str, schema: type[BaseModel], defaults: dict, root: type[BaseModel]
+) -> list[str]:
+    """A command's schema as the training sections it reads, the keys of its own and the defaults it
+    changes."""
+    shared = [name for name in schema.model_fields if name in root.model_fields]
+    own = [(name, f) for name, f in leaves(schema) if name not in root.model_fields]
+    out = [f"## `opsd {command}`", "", section_doc(schema), ""]
+    out += [f"It reads these keys and sections of `opsd train`'s: {', '.join(f'`{n}`' for n in shared)}."]
+    if own:
+        out += ["", "| key | type | default | description |", "|---|---|---|---|"]
+        for name, field in own:
+            cells = (f"`{name}`", _type(field.annotation, _bounds(field)), _default(field), field.description)
+            out.append("| " + " | ".join(_cell(c or "") for c in cells) + " |")
+    changed = ", ".join(f"`{key}: {_value(v)}`" for key, v in _dotted(defaults))
+    return [*out, "", f"Its defaults where they differ from `opsd train`'s: {changed}."]
+
+
+def _dotted(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """A nested mapping's leaves as (dotted key, value)."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _dotted(value, f"{prefix}{key}.")
+        else:
+            out.append((prefix + key, value))
+    return out
+
+
+def _render_tree(root: type[BaseModel], title: str) -> str:
+    """The reference of one model and the sections nested in it."""
     out = [f"# {title}", "", _INTRO]
     for prefix, model in sections(root):
         out += ["", f"## {prefix[:-1] or 'Top level'}"]

@@ -124,14 +124,14 @@ def check_compiler(device: torch.device) -> None:
 
 def has_bf16_units(device: torch.device) -> tuple[bool, str]:
     """bf16 matrix units on ``device``, and why opsd thinks so: CUDA's driver says; on a CPU the
-    instruction set does (:func:`opsd.cpu.bf16.cpu_has_bf16_units`)."""
+    instruction set does (:func:`opsd.cpu.cpu_has_bf16_units`)."""
     import torch
 
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return True, "CUDA device with bf16 support"
         return False, "CUDA device without bf16 support"
-    from opsd.cpu.bf16 import cpu_has_bf16_units
+    from opsd.cpu import cpu_has_bf16_units
 
     return cpu_has_bf16_units()
 
@@ -139,7 +139,7 @@ def has_bf16_units(device: torch.device) -> tuple[bool, str]:
 def activation_room(device: torch.device, reserve: int, *, beside_vllm: bool) -> tuple[int, str]:
     """Bytes a micro-batch's saved activations may take on ``device``, and why: a quarter of a GPU's
     free memory less ``reserve`` (what the step will take that is not allocated yet: AdamW's state),
-    or the CPU's budget (:func:`opsd.cpu.budget.activation_budget`)."""
+    or the CPU's budget (:func:`opsd.cpu.activation_budget`)."""
     import torch
 
     if device.type == "cuda":
@@ -147,7 +147,7 @@ def activation_room(device: torch.device, reserve: int, *, beside_vllm: bool) ->
         torch.cuda.empty_cache()
         free = max(0, torch.cuda.mem_get_info(device)[0] - reserve)
         return free // 4, f"a quarter of the {free / 2**30:.1f} GiB free on {device} after AdamW's state"
-    from opsd.cpu.budget import activation_budget
+    from opsd.cpu import activation_budget
 
     return activation_budget(reserve, beside_vllm=beside_vllm)
 

@@ -114,7 +114,7 @@ def vllm_line() -> str:
 
 
 def cpu_line() -> str:
-    from opsd.cpu.bf16 import cpu_flags
+    from opsd.cpu import cpu_flags
     from opsd.devices import cpu_isa, cpu_name
 
     flags = set(cpu_flags().split())

@@ -24,7 +24,7 @@ except ImportError as err:  # a torchvision built for another torch breaks trans
         raise
     raise found from None
 
-from opsd.cpu.packing import is_packed, packed_hidden
+from opsd.cpu import is_packed, packed_hidden
 from opsd.devices import activation_room, on_cuda
 from opsd.errors import UserError
 from opsd.fetch import (

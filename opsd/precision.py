@@ -115,7 +115,7 @@ def _half_adapters(dtype: torch.dtype, device: torch.device, model: torch.nn.Mod
 
 def loss_matmul_dtype(precision: Precision, device: torch.device) -> torch.dtype | None:
     """The fused loss's matrix products: bf16 inputs accumulated into float32 logits (two bf16
-    products each, ~2^-17 relative: :func:`opsd.loss.fused._logits_bf16`) if and only if the model
+    products each, ~2^-17 relative: :func:`opsd.loss.fused.logits_bf16`) if and only if the model
     computes in bf16 and the device multiplies bf16 natively; float32 products otherwise. On a GPU
     without TF32 three float32 products at Qwen3's vocabulary cost about as much as the whole bf16
     model compute of a step. Everything after the logits stays float32."""

@@ -108,26 +108,19 @@ def _with_interval(a: Answers) -> Answers:
 def _greedy(trainer, examples, prompts, name: str, answer_end: AnswerEnd | None) -> Answers:
     """Greedy answers at ``eval.max_new_tokens`` from ``prompts`` (None: the student prompts), graded;
     with ``answer_end`` each stopped once its answer is complete."""
-    from opsd.eval import evaluate_model
+    from opsd.eval import EvalRun, evaluate_model
 
-    res = evaluate_model(
-        trainer.run.model,
-        trainer.run.tokenizer,
-        examples,
-        k=1,
-        temperature=0.0,
-        top_p=1.0,
-        max_new_tokens=trainer.cfg.eval.max_new_tokens,
-        instruction=trainer.cfg.data.instruction,
-        enable_thinking=trainer.cfg.data.student_thinking,
-        max_prompt_len=trainer.cfg.data.max_prompt_len,
-        seed=trainer.cfg.seed,
-        engine=trainer.run.engine,
-        grader=trainer.run.eval_grader,
+    cfg = trainer.cfg
+    greedy = cfg.eval.model_copy(update={"k": 1, "temperature": 0.0, "top_p": 1.0})
+    run = EvalRun(
+        trainer.run.engine,
+        trainer.run.eval_grader,
+        cfg.seed,
         prompts=prompts,
-        name=name,
         answer_end=answer_end,
+        name=name,
     )
+    res = evaluate_model(trainer.run.model, trainer.run.tokenizer, examples, greedy, cfg.data, run)
     return _answers(res)
 
 

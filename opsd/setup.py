@@ -112,6 +112,7 @@ def load_heldout(cfg: Config, *, solutions: bool) -> list[Example]:
     loaded = load_examples(
         e.path,
         RowKeys(problem=d.problem_key, solution=d.solution_key if solutions else None, answer=e.answer_key),
+        split=e.split,
         require_answer=True,
     )
     return take_rows(loaded.examples, e.rows, "eval.rows", e.path)[: e.limit]
@@ -415,10 +416,10 @@ def build(
     plan = cpu.resolve_plan(
         cfg.cpu, dist.device, prec.compute, engine=kind, sharded=sharded, compiled=compiled
     )
-    chunk = cfg.loss.chunk_size or plan.loss_chunk_rows
-    objective = make_objective(cfg, chunk, plan.loss_slab_elements)
+    chunk, slab = plan.loss_chunking(cfg.loss.chunk_size)
+    objective = make_objective(cfg, chunk, slab)
     # eval.divergence measures the distillation loss, whatever objective trains.
-    divergence = make_distillation(cfg, chunk, plan.loss_slab_elements)
+    divergence = make_distillation(cfg, chunk, slab)
     spec = cfg.loss.to_spec(cfg.rollout.temperature)
     # Run directory, data and tokenizer; then the model and its teacher, every transform in order.
     loaded = distributed.run_setup(partial(load_run, cfg, dist, objective, resume, overwrite), "setup")

@@ -18,9 +18,17 @@ from torch import Tensor
 
 from opsd import checkpoint, distributed, metrics, setup
 from opsd.config import Config
-from opsd.data.batching import MicroBatch, loss_tokens, make_microbatches, make_sample, pad_microbatches
+from opsd.data.batching import (
+    MicroBatch,
+    TokenWeights,
+    loss_tokens,
+    make_microbatches,
+    make_sample,
+    pad_microbatches,
+)
 from opsd.errors import EngineError, TrainingError
 from opsd.eval.heldout import (
+    DivergenceStep,
     EvalResult,
     SetResult,
     artifact_share,
@@ -159,14 +167,10 @@ class Trainer:
             samples,
             max_tokens=self.run.mb_tokens,
             pad_id=self.run.pad_id,
-            reduction=self.run.spec.reduction,
-            global_tokens=tokens,
-            global_seqs=seqs,
+            weights=TokenWeights(self.run.spec.reduction, tokens, seqs, skip_end),
             device=self.run.dist.device,
             min_real_frac=self.cfg.optim.min_real_token_frac,
-            bucket=self.run.plan.bucket_widths,
-            pack_from=self.run.plan.pack_from,
-            skip_end=skip_end,
+            widths=self.run.plan.row_widths(),
         )
         return pad_microbatches(batches, self.run.pad_id, self.run.dist.device)
 
@@ -353,11 +357,9 @@ class Trainer:
             self.run.data.eval_examples,
             self.run.eval_prompts,
             partial(self.rollout, n=1, step=-1),
-            self.microbatches,
-            self.run.divergence_loss,
-            autocast=self.run.autocast,
-            rank=self.run.dist.rank,
-            world=self.run.dist.world_size,
+            DivergenceStep(self.microbatches, self.run.divergence_loss, self.run.autocast),
+            self.run.dist.rank,
+            self.run.dist.world_size,
         )
 
     # ------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@
     python scripts/build_demo_bases.py --check       # train and compare with the shipped files; write nothing
     python scripts/build_demo_bases.py --seeds 0 --out /tmp/bases
 
-Each base is ``DemoSettings(seed=N)``'s, trained by ``opsd.demo.base.train_base_model`` (`opsd sft`'s
+Each base is ``DemoSettings(seed=N)``'s, trained by ``opsd.demo.base.train_base_model`` (its own
 loop, float32) on one torch thread, then stored as float16 safetensors: loaded back into float32 the
 weights are exactly the stored values, and the accuracies printed here are those of the stored file.
 The bytes are deterministic on one CPU with one torch build: a rebuild on the machine that built them
@@ -36,7 +36,7 @@ from opsd.demo.base import (
     shipped_path,
     train_base_model,
 )
-from opsd.demo.run import heldout_accuracy
+from opsd.demo.run import demo_accuracy
 
 SEEDS = (0, 1, 2)  # the demo's (0) and `opsd demo --compare --seeds 0,1,2`'s
 
@@ -77,7 +77,7 @@ def accuracies(seed: int, path: Path) -> tuple[float, float]:
     model = build_tiny_model(tok, hidden_size=s.hidden, num_layers=s.layers, seed=seed)
     model.load_state_dict({k: v.float() for k, v in load_file(str(path)).items()}, strict=True)
     held = task.make_splits(seed, s.digits, s.n_sft, s.n_train, s.n_heldout)["heldout"]
-    return tuple(heldout_accuracy(model, tok, held, s.digits, with_solution=w) for w in (False, True))
+    return tuple(demo_accuracy(model, tok, held, s.digits, with_solution=w) for w in (False, True))
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """The fused loss's logit products on this CPU: float32 products against bf16 ones, error and speed.
 
 The loss's product rule on a CPU with bf16 units: bf16 inputs with a float32 output from one
-product, against ``_logits_bf16``'s two bf16 products, both against the float64 oracle. torch 2.13
+product, against ``logits_bf16``'s two bf16 products, both against the float64 oracle. torch 2.13
 has no CPU kernel for a bf16 product with a float32 output
 (``torch.mm(..., out_dtype=torch.float32)``: "aten::mm.dtype" is CUDA-only; the script probes it
 and says). Its values are what a float32 product of the same bf16 inputs computes (bf16 -> float32
@@ -73,7 +73,7 @@ def oracle(
 
 
 def _one_bf16_product(h: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_logits_bf16``'s ``(hi, lo)`` with the second product's correction left out (a zero ``lo``)."""
+    """``logits_bf16``'s ``(hi, lo)`` with the second product's correction left out (a zero ``lo``)."""
     hi = h @ w.t()
     return hi, torch.zeros_like(hi)
 
@@ -83,9 +83,9 @@ def run(
 ) -> tuple[float, float, torch.Tensor]:
     """One forward + backward: (seconds, loss, hidden-state gradient)."""
     mm = None if variant == "float32" else torch.bfloat16
-    two = fused_module._logits_bf16
+    two = fused_module.logits_bf16
     if variant == "bf16 x1":
-        fused_module._logits_bf16 = _one_bf16_product
+        fused_module.logits_bf16 = _one_bf16_product
     try:
         h = hs.float().requires_grad_()  # bf16 values; a float32 leaf, so its gradient is not rounded to bf16
         t0 = time.perf_counter()
@@ -93,7 +93,7 @@ def run(
         loss.backward()
         seconds = time.perf_counter() - t0
     finally:
-        fused_module._logits_bf16 = two
+        fused_module.logits_bf16 = two
     return seconds, loss.item(), h.grad
 
 
@@ -156,7 +156,7 @@ def render(rows: list[dict], rates: dict, probe: str, before: str, after: str, m
         f"frozen head (LoRA), forward KL, T={SPEC.temperature}, per-entry clip {SPEC.clip}; error against "
         "float64 autograd on the same bf16 values; time the median of the runs shown. `float32`: the "
         "inputs upcast, float32 products (the values one bf16-in/float32-out product gives); `bf16 x2`: "
-        "`matmul_dtype=torch.bfloat16`, two bf16 products per logit block (`_logits_bf16`); `bf16 x1`: one "
+        "`matmul_dtype=torch.bfloat16`, two bf16 products per logit block (`logits_bf16`); `bf16 x1`: one "
         "bf16 product rounded to bf16, for scale only. The unclipped columns take the same loss without "
         "the clip, whose step makes a few entries differ by O(1) at any precision. A bf16 product with a "
         f"float32 output in one call on the CPU: {probe}.",

@@ -18,7 +18,7 @@ input's gradient and 2 n more for the weight's where it trains):
 N_body: the decoder's matrices (no embedding, no head, no norms, no adapters); N_lora: the adapters;
 T_s, T_t: the real (unpadded) tokens of the student's and the teacher's sequences; R: the response
 tokens, the rows the loss reads; V, H: the head's shape. Counted is the model's work: padding, the
-loss's second bf16 product per logit block (``loss.fused._logits_bf16``), the rollout and the optimizer
+loss's second bf16 product per logit block (``loss.fused.logits_bf16``), the rollout and the optimizer
 are not. ``tests/train/test_gpu_flops.py`` checks the counter against a hand count at Qwen3-1.7B's shape.
 """
 

@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from opsd.compare.plan import METHODS, TUNED, Variant
+from opsd.compare.plan import METHODS, TUNED, ComparePlan, TunePlan, Variant
 from opsd.compare.run import run_compare
 from opsd.compare.tuning import run_tune
 from opsd.errors import UserError
@@ -76,10 +76,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} {value}: must be >= 1")
     if args.tune:
-        run_tune(
-            args.config,
-            args.overrides,
-            args.out,
+        tune = TunePlan(
             tune_seeds=args.tune_seeds,
             reported=args.seeds,
             steps=args.tune_steps,
@@ -87,11 +84,9 @@ def run_compare_command(args: argparse.Namespace) -> int:
             method=args.tune,
             distill_coef=args.distill_coef,
         )
+        run_tune(args.config, args.overrides, args.out, tune)
         return 0
-    result = run_compare(
-        args.config,
-        args.overrides,
-        args.out,
+    plan = ComparePlan(
         methods=[m.strip() for m in args.methods.split(",") if m.strip()],
         seeds=args.seeds,
         steps=args.steps,
@@ -101,8 +96,9 @@ def run_compare_command(args: argparse.Namespace) -> int:
         distill_coef=args.distill_coef,
         progress=not args.no_progress,
         ceiling=not args.no_ceiling,
-        variants=[Variant.parse(v) for v in args.variant],
+        variants=tuple(Variant.parse(v) for v in args.variant),
     )
+    result = run_compare(args.config, args.overrides, args.out, plan)
     finals = [r["points"][-1]["accuracy"] for r in result["runs"]]
     if any(math.isnan(a) for a in finals):
         raise UserError("a method's held-out accuracy is NaN: check eval.path and eval.answer_key")

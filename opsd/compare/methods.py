@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from opsd.compare.plan import Budget
+from opsd.compare.plan import Budget, MethodJob
 from opsd.compare.records import EvalPoint, MethodRun, point_text, read_points, write_points
 from opsd.errors import UserError
 from opsd.metrics import mean, repetition, say
@@ -21,25 +21,22 @@ def arm_config(config: Path | None, overrides: list[str], extra: list[str]):
 
 
 def run_trainer_method(
-    method: str,
-    seed: int,
-    config: Path | None,
-    overrides: list[str],
-    extra: list[str],
-    run_dir: Path,
+    job: MethodJob,
     budget: Budget,
     base: EvalPoint | None,
     progress: bool,
     ceiling: Path | None = None,
 ) -> MethodRun:
     """OPSD, GRPO, mixed, SFT or a control: the Trainer with the method's overrides, evaluated every
-    ``budget.eval_every`` steps; resumes from the last checkpoint when the run directory has one."""
+    ``budget.eval_every`` steps; resumes from the last checkpoint when the run directory has one.
+    ``base``: the seed's base evaluation when another method made it; ``ceiling``: where to write the
+    teacher's ceiling (:func:`teacher_ceiling`) when it is not there yet."""
     from opsd.checkpoint import latest_checkpoint
     from opsd.trainer import Trainer
 
     common = [
-        f"seed={seed}",
-        f"logging.run_dir={run_dir}",
+        f"seed={job.seed}",
+        f"logging.run_dir={job.run_dir}",
         f"optim.max_steps={budget.steps}",
         "eval.every=0",  # evaluated here, between train() calls
         "checkpoint.enabled=true",
@@ -48,13 +45,13 @@ def run_trainer_method(
         f"logging.progress={str(progress).lower()}",
         "logging.step_lines=false",
     ]
-    cfg = arm_config(config, overrides, [*extra, *common])
-    log = run_dir / "compare_eval.jsonl"
+    cfg = arm_config(job.config, job.overrides, common)
+    log = job.run_dir / "compare_eval.jsonl"
     # Resume only what has its base evaluation; anything else in the run directory starts over.
-    resume = latest_checkpoint(run_dir) is not None and bool(read_points(log))
+    resume = latest_checkpoint(job.run_dir) is not None and bool(read_points(log))
     trainer = Trainer(cfg, resume=resume, overwrite=not resume)
-    trainer.progress_desc = f"{method} seed {seed}"
-    run = MethodRun(method, seed, lr=cfg.optim.lr)
+    trainer.progress_desc = f"{job.method} seed {job.seed}"
+    run = MethodRun(job.method, job.seed, lr=cfg.optim.lr)
     run.points = [p for p in read_points(log) if p.step <= trainer.step_num] if resume else []
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.n
     lenient = cfg.eval.lenient_grader
@@ -68,16 +65,18 @@ def run_trainer_method(
             on_grid = trainer.step_num % budget.eval_every == 0 or trainer.step_num == budget.steps
             guarded = _guard_stop(trainer)
             if run.final.step < trainer.step_num and (on_grid or guarded):  # an evaluation is due
-                tokens, seconds, scored = _spent(run_dir / "metrics.jsonl", per_step)
-                tokens = _sft_tokens(run_dir) if cfg.objective == "sft" else tokens  # SFT generates none
+                tokens, seconds, scored = _spent(job.run_dir / "metrics.jsonl", per_step)
+                tokens = _sft_tokens(job.run_dir) if cfg.objective == "sft" else tokens  # SFT generates none
                 scored = scored if cfg.reads_teacher() else 0  # GRPO alone and SFT have no teacher
                 point = _evaluate(trainer, lenient, trainer.step_num, tokens, seconds, scored)
                 run.points.append(_with_sets(trainer, point, run.points))
                 write_points(log, run.points)
-                say(progress, f"seed {seed} {method} step {trainer.step_num}: {point_text(run.final)}")
+                say(
+                    progress, f"seed {job.seed} {job.method} step {trainer.step_num}: {point_text(run.final)}"
+                )
             if guarded:  # a guard (config.guard) ended the method: its last evaluation is at the stop
                 run.stopped_by = f"{guarded} at step {trainer.step_num}"
-                say(True, f"seed {seed} {method}: {run.stopped_by}")
+                say(True, f"seed {job.seed} {job.method}: {run.stopped_by}")
                 break
             if trainer.step_num >= budget.steps:
                 break
@@ -86,7 +85,7 @@ def run_trainer_method(
             trainer.train(until_step=until)
             if trainer.step_num < until and not _guard_stop(trainer):  # a signal: saved, returned
                 raise UserError(
-                    f"stopped {method} seed {seed} at step {trainer.step_num}; run the same command "
+                    f"stopped {job.method} seed {job.seed} at step {trainer.step_num}; run the same command "
                     "again to resume"
                 )
     finally:

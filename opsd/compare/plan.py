@@ -63,6 +63,58 @@ def label(result: dict, method: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class ComparePlan:
+    """What `opsd compare` runs (:func:`opsd.compare.run_compare`): these ``methods`` (and
+    ``variants``, each named in ``methods`` like the others) on these ``seeds``.
+
+    ``steps`` (default the config's optim.max_steps) and ``eval_every`` (default a quarter of them)
+    make the budget. ``grpo_n``: GRPO's samples per problem when not tuned; ``grpo_lr``, ``sft_lr``:
+    GRPO's and SFT's learning rates (default the config's); ``distill_coef``: GRPO + distillation's
+    (:func:`distill_coefficient`). ``ceiling``: also evaluate the base model once with each held-out
+    problem's solution in its prompt (``OUT/ceiling.json``) before the first method trains."""
+
+    methods: list[str]
+    seeds: list[int]
+    steps: int | None = None
+    eval_every: int | None = None
+    grpo_n: int = 8
+    grpo_lr: float | None = None
+    sft_lr: float | None = None
+    distill_coef: float | None = None
+    progress: bool = True
+    ceiling: bool = False
+    variants: tuple[Variant, ...] = ()
+
+
+@dataclass(frozen=True)
+class TunePlan:
+    """What `opsd compare --tune` runs (:func:`opsd.compare.run_tune`): ``method`` (``grpo``, or
+    ``mixed`` at ``distill_coef``) for ``steps`` on each of ``tune_seeds``, which may not be among the
+    ``reported`` ones, at each setting of :func:`opsd.compare.tune_grid` around ``lr``."""
+
+    tune_seeds: list[int]
+    reported: list[int]
+    steps: int
+    lr: float | None = None
+    progress: bool = True
+    method: str = "grpo"
+    distill_coef: float | None = None
+
+
+@dataclass(frozen=True)
+class MethodJob:
+    """One method on one seed (:func:`opsd.compare.run_trainer_method`): its name, its seed, the config
+    it trains (the file, then dotted keys: the comparison's, then the method's own) and its run
+    directory."""
+
+    method: str
+    seed: int
+    config: Path | None
+    overrides: list[str]
+    run_dir: Path
+
+
 TUNED = ("grpo", "mixed")  # the methods `opsd compare --tune` chooses settings for
 
 

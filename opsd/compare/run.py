@@ -14,14 +14,16 @@ from opsd.compare.plan import (
     METHODS,
     NOTES,
     Budget,
+    ComparePlan,
     GRPOSettings,
+    MethodJob,
     Variant,
     claim_dir,
     default_grpo,
     distill_coefficient,
     method_overrides,
 )
-from opsd.compare.records import MethodRun, read_run
+from opsd.compare.records import EvalPoint, MethodRun, read_run
 from opsd.compare.report import format_comparison_table, plot_compare, plot_frontier
 from opsd.compare.tuning import read_tuned
 from opsd.errors import UserError
@@ -32,71 +34,51 @@ def run_compare(
     config: Path | None,
     overrides: list[str] | Callable[[int], list[str]],
     out: Path,
-    *,
-    methods: list[str],
-    seeds: list[int],
-    steps: int | None = None,
-    eval_every: int | None = None,
-    grpo_n: int = 8,
-    grpo_lr: float | None = None,
-    sft_lr: float | None = None,
-    distill_coef: float | None = None,
-    progress: bool = True,
-    ceiling: bool = False,
-    variants: list[Variant] = (),
+    plan: ComparePlan,
 ) -> dict:
-    """Every method on every seed into ``out``; writes compare.json, compare.md and compare.png.
-
-    ``variants``: more methods, each a method of :data:`METHODS` with some keys changed (:class:`Variant`),
-    named in ``methods`` like the others.
-
-    ``ceiling``: also evaluate the base model once with each held-out problem's solution in its
-    prompt (:func:`teacher_ceiling`, into ``OUT/ceiling.json``) before the first method trains.
+    """Every method of ``plan`` on every seed into ``out``; writes compare.json, compare.md and
+    compare.png.
 
     ``overrides``: dotted overrides on ``config``, or a function of the seed giving them (the demo's
-    data and base model differ per seed). ``grpo_lr``: GRPO's learning rate when not tuned (default
-    the config's)."""
+    data and base model differ per seed)."""
     per_seed = overrides if callable(overrides) else (lambda seed: overrides)
-    cfg = arm_config(config, per_seed(seeds[0]), [])
-    named = {v.name: v for v in variants}
-    _check_methods(cfg, methods, named)
-    steps = steps or cfg.optim.max_steps
-    budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, eval_every or max(1, steps // 4))
+    cfg = arm_config(config, per_seed(plan.seeds[0]), [])
+    named = {v.name: v for v in plan.variants}
+    _check_methods(cfg, plan.methods, named)
+    steps = plan.steps or cfg.optim.max_steps
+    budget = Budget(
+        steps, cfg.rollout.prompts_per_step * cfg.rollout.n, plan.eval_every or max(1, steps // 4)
+    )
     out = Path(out)
     claim_dir(out)
-    grpo, grpo_source, mixed, mixed_source = _grpo_settings(cfg, out, budget, grpo_n, grpo_lr)
-    coef = distill_coefficient(cfg, distill_coef)
-    sft_lr = sft_lr or cfg.optim.lr
+    grpo, grpo_source, mixed, mixed_source = _grpo_settings(cfg, out, budget, plan.grpo_n, plan.grpo_lr)
+    coef = distill_coefficient(cfg, plan.distill_coef)
+    sft_lr = plan.sft_lr or cfg.optim.lr
     say(True, budget.describe())
     say(True, f"GRPO settings {asdict(grpo)}, {grpo_source}")
     say(True, f"mixed settings {asdict(mixed)}, {mixed_source}; with grpo.distill_coef={coef}")
-    for m in methods:
+    for m in plan.methods:
         if m in NOTES:
             say(True, f"{METHODS[m]}: {NOTES[m]}")
-    runs: list[MethodRun] = []
     ceiling_path = out / "ceiling.json"
-    context = ceiling_context(cfg) if ceiling else []
-    extras = {m: _method_extra(m, named, grpo, coef, budget, mixed, sft_lr) for m in methods}
+    context = ceiling_context(cfg) if plan.ceiling else []
+    extras = {m: _method_extra(m, named, grpo, coef, budget, mixed, sft_lr) for m in plan.methods}
     checked = {  # every method's config is checked before any trains
-        m: _check_method_config(config, [*per_seed(seeds[0]), *context], m, extras[m]) for m in methods
+        m: _check_method_config(config, [*per_seed(plan.seeds[0]), *context], m, extras[m])
+        for m in plan.methods
     }
     reads_other = [c for c in checked.values() if c.teacher.solution_source == "other"]
     if reads_other:
         _note_shared_solutions(reads_other[0])
-    for seed in seeds:
+    runs: list[MethodRun] = []
+    for seed in plan.seeds:
         base = None
-        overrides = [*per_seed(seed), *context]
-        for method in methods:
-            run_dir = out / f"seed{seed}" / method
-            done = run_dir / "compare_method.json"
-            want = ceiling_path if ceiling and not ceiling_path.is_file() else None
-            if done.is_file():  # finished earlier: read back, not rerun
-                run = read_run(done)
-            else:
-                run = run_trainer_method(
-                    method, seed, config, overrides, extras[method], run_dir, budget, base, progress, want
-                )
-            done.write_text(json.dumps(asdict(run), indent=2))
+        seed_overrides = [*per_seed(seed), *context]
+        for method in plan.methods:
+            job = MethodJob(
+                method, seed, config, [*seed_overrides, *extras[method]], out / f"seed{seed}" / method
+            )
+            run = _run_or_read(job, plan, budget, base, ceiling_path)
             base = base or run.points[0]  # every method of a seed starts from one base evaluation
             runs.append(run)
     result = {
@@ -107,13 +89,28 @@ def run_compare(
         "mixed_source": mixed_source,
         "distill_coef": coef,
         "lr": {"opsd": cfg.optim.lr, "sft": sft_lr, "grpo": grpo.lr, "mixed": mixed.lr},
-        "methods": methods,
-        "variants": {v.name: {"method": v.method, "overrides": list(v.overrides)} for v in variants},
-        "seeds": seeds,
+        "methods": plan.methods,
+        "variants": {v.name: {"method": v.method, "overrides": list(v.overrides)} for v in plan.variants},
+        "seeds": plan.seeds,
         "runs": [asdict(r) for r in runs],
         "ceiling": json.loads(ceiling_path.read_text()) if ceiling_path.is_file() else None,
     }
     return _write_report(out, result)
+
+
+def _run_or_read(
+    job: MethodJob, plan: ComparePlan, budget: Budget, base: EvalPoint | None, ceiling_path: Path
+) -> MethodRun:
+    """One method on one seed: read back where it finished earlier, else trained (resuming); the
+    teacher's ceiling measured on the first trained one that finds it missing."""
+    done = job.run_dir / "compare_method.json"
+    if done.is_file():  # finished earlier: read back, not rerun
+        run = read_run(done)
+    else:
+        want = ceiling_path if plan.ceiling and not ceiling_path.is_file() else None
+        run = run_trainer_method(job, budget, base, plan.progress, want)
+    done.write_text(json.dumps(asdict(run), indent=2))
+    return run
 
 
 def _method_extra(

@@ -13,6 +13,7 @@ from opsd.compare.plan import (
     TUNED,
     Budget,
     GRPOSettings,
+    TunePlan,
     check_group_size,
     claim_dir,
     distill_coefficient,
@@ -58,29 +59,23 @@ def run_tune(
     config: Path | None,
     overrides: list[str] | Callable[[int], list[str]],
     out: Path,
-    *,
-    tune_seeds: list[int],
-    reported: list[int],
-    steps: int,
-    lr: float | None = None,
-    progress: bool = True,
-    method: str = "grpo",
-    distill_coef: float | None = None,
+    plan: TunePlan,
 ) -> dict:
-    """Train ``method`` (GRPO, or GRPO + distillation at ``distill_coef``) at each setting of
-    :func:`tune_grid` (around ``lr``) for ``steps`` on each tuning seed, without any held-out
+    """Train ``plan.method`` (GRPO, or GRPO + distillation at ``plan.distill_coef``) at each setting of
+    :func:`tune_grid` (around ``plan.lr``) for ``plan.steps`` on each tuning seed, without any held-out
     evaluation, and choose the setting with the highest mean training reward over the last half of
     the steps. Writes ``OUT/tune/METHOD.json``, which `opsd compare` then uses; a setting already
     tried (``OUT/tune/METHOD_tried.jsonl``) is not trained again."""
-    clash = sorted(set(tune_seeds) & set(reported))
+    clash = sorted(set(plan.tune_seeds) & set(plan.reported))
     if clash:
         raise UserError(f"--tune-seeds {clash} are also reported (--seeds): tune on seeds that are not")
     per_seed = overrides if callable(overrides) else (lambda seed: overrides)
+    method = plan.method
     if method not in TUNED:
         raise UserError(f"--tune {method}: choose from {list(TUNED)}")
-    cfg = arm_config(config, per_seed(tune_seeds[0]), [])
-    budget = Budget(steps, cfg.rollout.prompts_per_step * cfg.rollout.n, steps)
-    coef = distill_coefficient(cfg, distill_coef)
+    cfg = arm_config(config, per_seed(plan.tune_seeds[0]), [])
+    budget = Budget(plan.steps, cfg.rollout.prompts_per_step * cfg.rollout.n, plan.steps)
+    coef = distill_coefficient(cfg, plan.distill_coef)
     distill = [f"grpo.distill_coef={coef}"] if method == "mixed" else []
     out = Path(out)
     claim_dir(out)
@@ -88,44 +83,34 @@ def run_tune(
     tried_path = out / "tune" / f"{method}_tried.jsonl"
     tried = [json.loads(x) for x in tried_path.read_text().splitlines()] if tried_path.is_file() else []
     results = []
-    for i, setting in enumerate(tune_grid(cfg, budget, lr)):
-        key = (asdict(setting), tune_seeds, steps, distill)
+    for i, setting in enumerate(tune_grid(cfg, budget, plan.lr)):
+        key = (asdict(setting), plan.tune_seeds, plan.steps, distill)
         done = [t for t in tried if (t["setting"], t["seeds"], t["steps"], t.get("distill", [])) == key]
         if done:
             results.append(done[0])
             continue
-        rewards = []
-        flat = []
-        for seed in tune_seeds:
-            run_dir = out / "tune" / f"{method}_setting{i}_seed{seed}"
-            keys = [*setting.overrides(budget), *distill]
-            history, stopped = _tune_run(config, per_seed(seed), keys, run_dir, seed, steps, progress)
-            if stopped or len(history) < steps:
-                raise UserError(f"tuning stopped at setting {i}, seed {seed}; run it again to continue")
-            rewards.append([rec["reward_mean"] for rec in history])
-            flat.append(sum(rec["flat_group_frac"] for rec in history) / len(history))
-        late = [sum(r[len(r) // 2 :]) / len(r[len(r) // 2 :]) for r in rewards]
-        first = [r[0] for r in rewards]
+        keys = [*setting.overrides(budget), *distill]
+        rewards = _tune_setting(config, per_seed, keys, out, i, plan)
         results.append(
             {
                 "setting": asdict(setting),
-                "seeds": tune_seeds,
-                "steps": steps,
+                "seeds": plan.tune_seeds,
+                "steps": plan.steps,
                 "distill": distill,
-                "late_reward": sum(late) / len(late),
-                "first_reward": sum(first) / len(first),
-                "rewards": rewards,
-                "flat_group_frac": sum(flat) / len(flat),
+                **rewards,
             }
         )
         with tried_path.open("a") as f:
             f.write(json.dumps(results[-1]) + "\n")
-        say(progress, f"tune {method} {i}: {asdict(setting)} late reward {results[-1]['late_reward']:.3f}")
+        say(
+            plan.progress,
+            f"tune {method} {i}: {asdict(setting)} late reward {results[-1]['late_reward']:.3f}",
+        )
     best = max(results, key=lambda r: (r["late_reward"], -r["setting"]["lr"]))
     improves = best["late_reward"] > best["first_reward"]
     tune = {
-        "seeds": tune_seeds,
-        "steps": steps,
+        "seeds": plan.tune_seeds,
+        "steps": plan.steps,
         "results": results,
         "chosen": best["setting"],
         "improves_on_first_step": improves,
@@ -137,6 +122,35 @@ def run_tune(
         verdict += " (every group's reward was flat at every setting: no signal to choose by)"
     say(True, f"chosen {best['setting']}: its training reward {verdict} on its first step's; {path}")
     return tune
+
+
+def _tune_setting(
+    config: Path | None,
+    per_seed: Callable[[int], list[str]],
+    keys: list[str],
+    out: Path,
+    i: int,
+    plan: TunePlan,
+) -> dict:
+    """Setting ``i`` (its config ``keys``) trained on every tuning seed: its training rewards, per seed
+    and step, their means over the first step and the last half, and its share of flat groups."""
+    rewards = []
+    flat = []
+    for seed in plan.tune_seeds:
+        run_dir = out / "tune" / f"{plan.method}_setting{i}_seed{seed}"
+        history, stopped = _tune_run(config, per_seed(seed), keys, run_dir, seed, plan.steps, plan.progress)
+        if stopped or len(history) < plan.steps:
+            raise UserError(f"tuning stopped at setting {i}, seed {seed}; run it again to continue")
+        rewards.append([rec["reward_mean"] for rec in history])
+        flat.append(sum(rec["flat_group_frac"] for rec in history) / len(history))
+    late = [sum(r[len(r) // 2 :]) / len(r[len(r) // 2 :]) for r in rewards]
+    first = [r[0] for r in rewards]
+    return {
+        "late_reward": sum(late) / len(late),
+        "first_reward": sum(first) / len(first),
+        "rewards": rewards,
+        "flat_group_frac": sum(flat) / len(flat),
+    }
 
 
 def _tune_run(

@@ -9,19 +9,81 @@ and :meth:`CpuPlan.engine_settings` (the rollout engines). On a GPU the plan is 
 ``cpu.tuning: off`` makes it empty on a CPU too (the plain path: transformers + peft + the fused loss).
 docs/cpu.md has one row per mechanism: what it does, its gate, its switch, its effect.
 
-Light on purpose (no torch at module level): the test configuration imports :mod:`opsd.cpu.openmp`.
+This package is the room's one door: code outside ``opsd/cpu/`` imports from ``opsd.cpu`` alone, never
+a submodule, and reads no plan field (``tests/meta/test_wall.py``). Besides the plan, :func:`resolve_plan`,
+:func:`apply_plan`, :func:`default_plan` and the plan's hooks, its entry points are the ``opsd``
+command's process settings (:func:`openmp_waiting`, :func:`command_defaults`), the CPU facts the device
+resolver and ``opsd env`` report (:func:`cpu_has_bf16_units`, :func:`cpu_flags`,
+:func:`activation_budget`), ``opsd serve``'s vLLM flags (:func:`serve_flags`) and the packed forward
+the models run (:func:`is_packed`, :func:`packed_hidden`).
+
+Light on purpose (no torch at module level): the ``opsd`` command imports it before torch loads, to set
+OpenMP's waiting. The names that need torch load on first use.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
+from types import MappingProxyType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
+
+from opsd.cpu.bf16 import cpu_flags, cpu_has_bf16_units
+from opsd.cpu.budget import activation_budget
+from opsd.cpu.kv import SERVE_CPU_MAX_MODEL_LEN, serve_flags
+from opsd.cpu.openmp import openmp_waiting
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from opsd.cpu.packing import is_packed, packed_hidden
+
+__all__ = [
+    "LOSS_CHUNK_ROWS_HF",
+    "LOSS_SLAB_ELEMENTS",
+    "SECTION_DEFAULTS",
+    "SERVE_CPU_MAX_MODEL_LEN",
+    "CpuPlan",
+    "EngineSettings",
+    "RowWidths",
+    "activation_budget",
+    "apply_plan",
+    "command_defaults",
+    "cpu_flags",
+    "cpu_has_bf16_units",
+    "default_plan",
+    "is_packed",
+    "openmp_waiting",
+    "packed_hidden",
+    "resolve_plan",
+    "serve_flags",
+]
+_NEED_TORCH = {"is_packed": "packing", "packed_hidden": "packing"}  # loaded on first use
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NEED_TORCH:
+        import importlib
+
+        return getattr(importlib.import_module(f"opsd.cpu.{_NEED_TORCH[name]}"), name)
+    raise AttributeError(f"module 'opsd.cpu' has no attribute {name!r}")
+
+
+# The ``cpu`` config section's defaults, defined here and read by :class:`opsd.config.CpuTuning`: this
+# room imports no config (the config checks its device setting in opsd.devices, which asks this room for
+# the CPU's facts), and plans with these where no config is given (:func:`default_plan`).
+SECTION_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "tuning": "auto",
+        "pack_rows": True,
+        "bucket_widths": True,
+        "frozen_layout": True,
+        "trim_heap": True,
+        "tune_malloc": None,
+    }
+)
 LOSS_CHUNK_ROWS_HF = 128  # the loss's rows per chunk on a CPU with the HF engine
 LOSS_SLAB_ELEMENTS = 3 << 20  # elements of a chunk's products the loss kernels take at a time on a CPU
 
@@ -115,6 +177,45 @@ class CpuPlan:
         fold = self.fold_lora_bytes if fold_lora_bytes is None else fold_lora_bytes
         return EngineSettings(self.bucket_widths, self.static_cache, fold, self.size_kv_cache)
 
+    def forced_fold_bytes(self) -> int:
+        """``rollout.fold_lora: on``'s folding budget: the plan's where it has one, else every
+        LoRA-wrapped weight (a GPU's plan, one beside vLLM)."""
+        return self.fold_lora_bytes or 1 << 62
+
+    def row_widths(self) -> RowWidths:
+        """How the trainer's micro-batches lay out their rows: widths in buckets, rows packed."""
+        return RowWidths(self.bucket_widths, self.pack_from)
+
+    def loss_chunking(self, chunk_size: int | None) -> tuple[int | None, int | None]:
+        """The loss kernels' rows per chunk (``loss.chunk_size`` where set, else the plan's) and
+        elements of a chunk's products per call (None: the kernels' own)."""
+        return chunk_size or self.loss_chunk_rows, self.loss_slab_elements
+
+
+@dataclass(frozen=True)
+class RowWidths:
+    """A micro-batch's row layout on this CPU (:meth:`CpuPlan.row_widths`): ``bucket``, padded widths
+    rounded up to buckets (:mod:`opsd.cpu.buckets`); ``pack_from``, the shortest row that runs packed
+    (:mod:`opsd.cpu.packing`; None: rows batched). The defaults are the plain path (and a GPU's)."""
+
+    bucket: bool = False
+    pack_from: int | None = None
+
+    def width(self, n: int) -> int:
+        """A row, or a batch of rows, ``n`` tokens wide, padded to its bucket where widths are bucketed."""
+        from opsd.cpu.buckets import bucket_width
+
+        return bucket_width(n) if self.bucket else n
+
+    def packed(self, lengths: list[int]) -> list[int] | None:
+        """Each row's width in the packed forward: its length, or its bucket width (never wider than the
+        padded batch's width, the bucket of the longest). None (one batched forward) where rows are
+        not packed, are equally wide (nothing to save) or the shortest is under ``pack_from`` tokens."""
+        widths = [self.width(n) for n in lengths]
+        if self.pack_from is None or len(set(widths)) == 1 or min(widths) < self.pack_from:
+            return None
+        return widths
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -127,10 +228,8 @@ class EngineSettings:
     size_kv_cache: bool = False
 
     def width(self, n: int) -> int:
-        """A batch of prompts ``n`` tokens wide, padded to its bucket (:mod:`opsd.cpu.buckets`)."""
-        from opsd.cpu.buckets import bucket_width
-
-        return bucket_width(n) if self.bucket_widths else n
+        """A batch of prompts ``n`` tokens wide, padded to its bucket (:meth:`RowWidths.width`)."""
+        return RowWidths(bucket=self.bucket_widths).width(n)
 
     def decode_cache(self, model: nn.Module, max_len: int) -> dict[str, Any]:
         """``generate``'s cache argument: a preallocated cache (:mod:`opsd.cpu.cache`), or none."""
@@ -222,11 +321,9 @@ def command_defaults(cfg):
 
 
 def default_plan(device: torch.device, compute_dtype: torch.dtype | None, *, engine: str = "hf") -> CpuPlan:
-    """The plan at the ``cpu`` section's defaults for one process with ``engine``: what an engine
-    built outside a trainer runs."""
-    from opsd.config import CpuTuning
-
-    return resolve_plan(CpuTuning(), device, compute_dtype, engine=engine)
+    """The plan at the ``cpu`` section's defaults (:data:`SECTION_DEFAULTS`) for one process with
+    ``engine``: what an engine built outside a trainer runs."""
+    return resolve_plan(SimpleNamespace(**SECTION_DEFAULTS), device, compute_dtype, engine=engine)
 
 
 def apply_plan(plan: CpuPlan, *models: nn.Module | None, params: int) -> CpuPlan:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from opsd.cpu.buckets import bucket_width  # the CPU plan's width buckets
+from opsd.cpu import RowWidths  # the CPU plan's width buckets and packed rows
 
 
 @dataclass
@@ -136,10 +136,8 @@ def pad_right(
     seqs: list[list[int]], pad_id: int, device: torch.device, bucket: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Right padding, one sample per row: attention never crosses samples. The width is the longest
-    row's length, or with ``bucket`` its :func:`bucket_width`."""
-    width = max(len(s) for s in seqs)
-    if bucket:
-        width = bucket_width(width)
+    row's length, or with ``bucket`` its bucket width (:meth:`opsd.cpu.RowWidths.width`)."""
+    width = RowWidths(bucket=bucket).width(max(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -156,9 +154,9 @@ class MicroBatch:
     first-to-last, rows in order, matching ``targets`` and ``weights`` (``R`` = sum of response_lens).
     ``*_padded_tokens`` is every position computed: rows x width, or with ``*_rows`` their sum; real /
     padded is the fraction of the forward's work spent on real tokens. ``*_rows`` (a CPU, one process:
-    :func:`make_microbatches`' ``pack_from``) is each row's width in the packed forward
-    (:func:`opsd.cpu.packing.packed_hidden`): its length, or its :func:`bucket_width`; ``None``: one
-    forward over the padded rows.
+    :func:`make_microbatches`' ``widths.pack_from``) is each row's width in the packed forward
+    (:func:`opsd.cpu.packed_hidden`): its length, or its bucket width; ``None``: one forward over the
+    padded rows.
     """
 
     student_ids: Tensor  # [B, Ls] long, right-padded
@@ -180,75 +178,80 @@ class MicroBatch:
     teacher_rows: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class TokenWeights:
+    """What each response token weighs in the loss summed over every rank's micro-batches: ``token``
+    reduction gives each ``1 / global_tokens``, ``sequence`` a length-n response's ``1 / (n *
+    global_seqs)`` (each sequence's mean, averaged over sequences). With ``skip_end`` a stopped
+    response's end token weighs 0 and is not counted (:func:`loss_tokens`; the global counts do the
+    same)."""
+
+    reduction: str
+    global_tokens: float
+    global_seqs: float
+    skip_end: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reduction not in ("token", "sequence"):
+            raise ValueError(f"reduction must be 'token' or 'sequence', got {self.reduction!r}")
+
+    def of(self, sample: Sample) -> Tensor:
+        """``[response_len]`` float32 weights: the ``n`` tokens the loss reads share the reduction's
+        weight, a skipped end token 0."""
+        n = loss_tokens(sample, self.skip_end)
+        w = torch.zeros(sample.response_len, dtype=torch.float32)
+        if n:
+            w[:n] = 1.0 / (self.global_tokens if self.reduction == "token" else n * self.global_seqs)
+        return w
+
+
 def make_microbatches(
     samples: list[Sample],
     *,
     max_tokens: int,
     pad_id: int,
-    reduction: str,
-    global_tokens: float,
-    global_seqs: float,
+    weights: TokenWeights,
     device: torch.device | str,
     min_real_frac: float = 0.0,
-    bucket: bool = False,
-    pack_from: int | None = None,
-    skip_end: bool = False,
+    widths: RowWidths = RowWidths(),
 ) -> list[MicroBatch]:
     """Pack samples under ``max_tokens`` padded tokens and build each group's tensors.
 
     Groups come from :func:`pack_microbatches` on max(student, teacher) length (``min_real_frac``: the
-    least real-token fraction of a group with more than one sample), in its order; with ``bucket``
-    (the CPU plan's) the lengths are rounded up to :func:`bucket_width` first, as
-    the padded widths are, so the budget bounds what is computed. ``pack_from`` (the CPU plan's):
-    where a side's rows differ in width and the shortest has at least this many
-    tokens, the rows' widths are recorded so that they run packed into one forward, unpadded (or each
-    padded to its own bucket width): the padding and the attention mask a batch of unequal rows costs
-    are gone (docs/cpu.md, "Packed rows"). The
-    weights make the sum over all ranks' micro-batches the global loss: ``token`` reduction gives every
-    response token 1 / global_tokens, ``sequence`` gives a length-n response's tokens 1 / (n * global_seqs)
-    (each sequence's mean, averaged over sequences). With ``skip_end`` a stopped response's end token
-    weighs 0 and is not counted (:func:`loss_tokens`; the caller's global counts do the same).
+    least real-token fraction of a group with more than one sample), in its order. ``widths`` (the CPU
+    plan's :meth:`~opsd.cpu.CpuPlan.row_widths`): with buckets the lengths are rounded up to their
+    bucket widths first, as the padded widths are, so the budget bounds what is computed; with
+    ``pack_from``, where a side's rows differ in width and the shortest has at least that many tokens,
+    the rows' widths are recorded so that they run packed into one forward, unpadded (or each padded
+    to its own bucket width): the padding and the attention mask a batch of unequal rows costs are
+    gone (docs/cpu.md, "Packed rows"). ``weights`` make the sum over all ranks' micro-batches the
+    global loss.
     """
-    if reduction not in ("token", "sequence"):
-        raise ValueError(f"reduction must be 'token' or 'sequence', got {reduction!r}")
-    lengths = [max(len(s.student_ids), len(s.teacher_ids)) for s in samples]
-    if bucket:
-        lengths = [bucket_width(n) for n in lengths]
+    lengths = [widths.width(max(len(s.student_ids), len(s.teacher_ids))) for s in samples]
     groups = pack_microbatches(lengths, max_tokens, min_real_frac)
     dev = torch.device(device)
-    return [
-        _microbatch(
-            samples, group, pad_id, reduction, global_tokens, global_seqs, dev, bucket, pack_from, skip_end
-        )
-        for group in groups
-    ]
+    return [_microbatch([samples[i] for i in group], group, pad_id, weights, dev, widths) for group in groups]
 
 
 def _microbatch(
-    samples: list[Sample],
+    mb: list[Sample],
     group: list[int],
     pad_id: int,
-    reduction: str,
-    global_tokens: float,
-    global_seqs: float,
+    weights: TokenWeights,
     device: torch.device,
-    bucket: bool,
-    pack_from: int | None,
-    skip_end: bool,
+    widths: RowWidths,
 ) -> MicroBatch:
-    mb = [samples[i] for i in group]
+    """One group's tensors; ``group``: the samples' indices into :func:`make_microbatches`' input."""
     resp = [s.response_len for s in mb]
-    weights = torch.cat([_token_weights(s, reduction, global_tokens, global_seqs, skip_end) for s in mb])
-    weights = weights.to(device)
     targets = torch.tensor(
         [t for s in mb for t in s.student_ids[-s.response_len :]], dtype=torch.long, device=device
     )
-    s_ids, s_mask = pad_right([s.student_ids for s in mb], pad_id, device, bucket)
-    t_ids, t_mask = pad_right([s.teacher_ids for s in mb], pad_id, device, bucket)
+    s_ids, s_mask = pad_right([s.student_ids for s in mb], pad_id, device, widths.bucket)
+    t_ids, t_mask = pad_right([s.teacher_ids for s in mb], pad_id, device, widths.bucket)
     s_pos = response_positions([len(s.student_ids) for s in mb], resp, s_ids.shape[1]).to(device)
     t_pos = response_positions([len(s.teacher_ids) for s in mb], resp, t_ids.shape[1]).to(device)
-    s_rows = row_widths([len(s.student_ids) for s in mb], bucket, pack_from)
-    t_rows = row_widths([len(s.teacher_ids) for s in mb], bucket, pack_from)
+    s_rows = widths.packed([len(s.student_ids) for s in mb])
+    t_rows = widths.packed([len(s.teacher_ids) for s in mb])
     return MicroBatch(
         student_ids=s_ids,
         student_mask=s_mask,
@@ -257,7 +260,7 @@ def _microbatch(
         teacher_mask=t_mask,
         teacher_pos=t_pos,
         targets=targets,
-        weights=weights,
+        weights=torch.cat([weights.of(s) for s in mb]).to(device),
         rollout_logprobs=None
         if any(s.rollout_logprobs is None for s in mb)
         else torch.tensor([x for s in mb for x in s.rollout_logprobs], dtype=torch.float32, device=device),
@@ -270,29 +273,6 @@ def _microbatch(
         student_rows=s_rows,
         teacher_rows=t_rows,
     )
-
-
-def _token_weights(
-    sample: Sample, reduction: str, global_tokens: float, global_seqs: float, skip_end: bool
-) -> Tensor:
-    """``[response_len]`` loss weights: ``1 / global_tokens`` (token) or ``1 / (n * global_seqs)``
-    (sequence) on the ``n`` tokens the loss reads (:func:`loss_tokens`), 0 on a skipped end token."""
-    n = loss_tokens(sample, skip_end)
-    w = torch.zeros(sample.response_len, dtype=torch.float32)
-    if n:
-        w[:n] = 1.0 / (global_tokens if reduction == "token" else n * global_seqs)
-    return w
-
-
-def row_widths(lengths: list[int], bucket: bool, pack_from: int | None) -> list[int] | None:
-    """Each row's width in the packed forward: its length, or its :func:`bucket_width` (never wider
-    than :func:`pad_right`'s width for the group, the bucket of the longest). ``None`` (one batched
-    forward) when ``pack_from`` is None, the rows are equally wide (nothing to save) or the
-    shortest is under ``pack_from`` tokens."""
-    widths = [bucket_width(n) if bucket else n for n in lengths]
-    if pack_from is None or len(set(widths)) == 1 or min(widths) < pack_from:
-        return None
-    return widths
 
 
 def zero_weight_microbatch(pad_id: int, device: torch.device | str) -> MicroBatch:

@@ -17,11 +17,17 @@ import hashlib
 import json
 import random
 import shutil
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from tqdm.auto import tqdm
 
 from opsd.data import student_prompt_ids, teacher_prompt_ids
 from opsd.demo.task import TEACHER_TEMPLATE, make_splits
@@ -118,10 +124,10 @@ def sft_pairs(tok, rows: list[dict], teacher_frac: float, seed: int) -> list[tup
 
 
 def train_base_model(s: DemoSettings, progress: bool = True):
-    """Train the base model of ``s`` here (`opsd sft`'s loop); returns (tokenizer, model, SFT losses).
+    """Train the base model of ``s`` here (:func:`demo_sft`, the loop the shipped
+    bases were written by); returns (tokenizer, model, SFT losses).
 
     Deterministic on one CPU with one torch thread; other CPUs' float32 kernels give other weights."""
-    from opsd.sft import sft
     from opsd.tiny import build_tiny_model
 
     tok = build_tokenizer()
@@ -130,19 +136,105 @@ def train_base_model(s: DemoSettings, progress: bool = True):
     pairs = sft_pairs(tok, rows, s.sft_teacher_frac, s.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(s.seed)
-        losses = sft(
-            model,
-            pairs,
-            steps=s.sft_steps,
-            lr=s.sft_lr,
-            schedule=s.sft_schedule,
-            batch_size=s.sft_batch,
-            seed=s.seed,
-            pad_id=tok.pad_token_id,
-            progress=progress,
-            desc="demo: SFT base model",
-        )
+        losses = demo_sft(model, pairs, s, pad_id=tok.pad_token_id, progress=progress)
     return tok, model.eval(), losses
+
+
+# ----------------------------------------------------------------------------------------------
+# The base's SFT loop (demo_sft's docstring: why it is the demo's own)
+
+
+def _summed_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int = 1024) -> Tensor:
+    """Summed CE of ``hidden @ weight.T`` against ``targets``, in fp32, one chunk of logits at a time."""
+
+    def piece(h: Tensor, y: Tensor) -> Tensor:
+        return F.cross_entropy((h @ weight.t()).float(), y, reduction="sum")
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, hidden.shape[0], chunk):
+        total = total + checkpoint(piece, hidden[i : i + chunk], targets[i : i + chunk], use_reentrant=False)
+    return total
+
+
+def _batch_loss(
+    model: nn.Module, batch: list[tuple[list[int], list[int]]], pad_id: int, bucket: bool
+) -> Tensor:
+    """The token-mean cross-entropy of one batch's responses after their prompts."""
+    from opsd.data.batching import pad_right, response_positions
+    from opsd.models import final_hidden, head_weight
+
+    device = next(model.parameters()).device
+    seqs = [p + r for p, r in batch]
+    ids, mask = pad_right(seqs, pad_id, device, bucket)
+    resp = [len(r) for _, r in batch]
+    pos = response_positions([len(s) for s in seqs], resp, ids.shape[1])
+    targets = torch.tensor([t for _, r in batch for t in r], device=device)
+    hidden = final_hidden(model, ids, mask, pos)
+    return _summed_cross_entropy(hidden, head_weight(model), targets) / len(targets)
+
+
+def demo_sft(
+    model: nn.Module,
+    pairs: list[tuple[list[int], list[int]]],
+    s: DemoSettings,
+    *,
+    pad_id: int,
+    progress: bool = True,
+    warmup: int = 20,
+    callback: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train ``model`` in place on ``s.sft_batch`` random rows of ``pairs`` a step for ``s.sft_steps``
+    steps at ``s.sft_lr`` (``warmup`` linear steps, then ``s.sft_schedule``: :func:`opsd.optim.lr_factor`,
+    as `opsd train`'s), gradient norm clipped at 1; returns the per-step mean token loss.
+    ``callback(step, loss)`` is called after every step.
+
+    The demo base model's own SFT loop, kept apart from `opsd sft` (which trains through the trainer's
+    ``objective: sft``) for one reason: the shipped bases (opsd/demo/bases/, checked by SHA-256) are the
+    bytes this loop writes. Its batches (rows drawn with replacement from ``random.Random(seed)``), its
+    padding and its cross-entropy (``F.cross_entropy`` on float32 logits, a chunk of rows at a time under
+    activation checkpointing) are the float32 operations those files depend on; the trainer's solution
+    cross-entropy (:func:`opsd.objectives.solution_cross_entropy`, the fused head kernel) and its data order
+    round differently, so `scripts/build_demo_bases.py --check` would no longer reproduce them. A base
+    trained afresh (any unshipped seed or recipe) uses it too, so that every base follows one recipe."""
+    from opsd.config import OptimConfig
+    from opsd.cpu import default_plan
+    from opsd.optim import make_optimizer
+
+    if not pairs:
+        raise ValueError("sft: no (prompt, response) pairs to train on")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = OptimConfig(lr=s.sft_lr, warmup_steps=warmup, max_steps=s.sft_steps, scheduler=s.sft_schedule)
+    opt, sched = make_optimizer(params, optim)
+    first = next(model.parameters())
+    # Widths in buckets where the CPU's bf16 attention keeps a kernel per length (the CPU plan's).
+    bucket = default_plan(first.device, first.dtype).row_widths().bucket
+    rng = random.Random(s.seed)
+    model.train()
+    losses = []
+    hide = None if progress else True
+    bar = tqdm(
+        range(s.sft_steps),
+        desc="demo: SFT base model",
+        disable=hide,
+        leave=False,
+        file=sys.stderr,
+        unit="step",
+    )
+    for step in bar:
+        loss = _batch_loss(
+            model, [pairs[rng.randrange(len(pairs))] for _ in range(s.sft_batch)], pad_id, bucket
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        if callback is not None:
+            callback(step + 1, losses[-1])
+            model.train()
+    return losses
 
 
 # ----------------------------------------------------------------------------------------------

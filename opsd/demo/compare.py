@@ -18,13 +18,17 @@ import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from opsd.demo.base import DemoSettings
-from opsd.demo.run import heldout_overrides, prepare
+from opsd.demo.run import Prepared, heldout_overrides, prepare
 from opsd.errors import UserError
 from opsd.metrics import mean
+
+if TYPE_CHECKING:
+    from opsd.compare import ComparePlan
 
 # Arm -> what the table and the plot call it.
 ARMS: dict[str, str] = {
@@ -42,6 +46,12 @@ def grpo_prompts(s: DemoSettings) -> int:
     return max(1, s.prompts_per_step // s.grpo_n)
 
 
+# Torch CPU threads while a comparison runs (restored after): 1, as in `opsd demo` (see run_opsd).
+THREADS = 1
+# The seeds `tune_steps` tunes GRPO on: never reported.
+TUNE_SEEDS = (1000, 1001)
+
+
 def run_demo_compare(
     s: DemoSettings,
     seeds: list[int],
@@ -50,18 +60,16 @@ def run_demo_compare(
     arms: tuple[str, ...] = tuple(ARMS),
     cache: Path | None = None,
     progress: bool = True,
-    threads: int | None = 1,
     tune_steps: int | None = None,
-    tune_seeds: tuple[int, ...] = (1000, 1001),
 ) -> dict:
     """`opsd compare` on the demo's configuration: every arm on every seed, into OUT/seedN/ARM/; writes
     compare_result.json (the demo's summary, with the ceiling of each seed's base model reading the
     worked solution) beside `opsd compare`'s compare.json, compare.md and compare.png.
 
-    ``threads``: torch CPU threads while it runs (restored after), 1 as in `opsd demo` (see run_opsd).
+    Torch runs on :data:`THREADS` CPU threads meanwhile (restored after).
     GRPO's settings: ``s.grpo_n`` and ``s.grpo_lr``, or those `opsd compare --tune grpo` chose into
     OUT/tune/grpo.json. ``tune_steps``: run that choice first (`opsd compare --tune grpo`: up to 8
-    settings around ``s.grpo_lr`` on ``tune_seeds``, which are never reported), unless it is there.
+    settings around ``s.grpo_lr`` on :data:`TUNE_SEEDS`, which are never reported), unless it is there.
     """
     from opsd import compare as general
     from opsd.fetch import opsd_home
@@ -72,73 +80,73 @@ def run_demo_compare(
     out = Path(out)
     general.claim_dir(out)
     prev = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(THREADS)
     t0 = time.time()
     try:
         where = Path(cache or opsd_home() / "demo")
         tune = tune_steps and not (out / general.tune_file("grpo")).is_file()
-        runs = [*seeds, *(tune_seeds if tune else ())]
+        runs = [*seeds, *(TUNE_SEEDS if tune else ())]
         prepared = {seed: prepare(replace(s, seed=seed), where, progress) for seed in runs}
+
+        def per_seed(seed: int) -> list[str]:
+            return heldout_overrides(replace(s, seed=seed), prepared[seed], progress)
+
         if tune:
-            general.run_tune(
-                None,
-                lambda seed: heldout_overrides(replace(s, seed=seed), prepared[seed], progress),
-                out,
-                tune_seeds=list(tune_seeds),
-                reported=seeds,
-                steps=tune_steps,
-                lr=s.grpo_lr,
-                progress=progress,
-            )
-        r = general.run_compare(
-            None,
-            lambda seed: heldout_overrides(replace(s, seed=seed), prepared[seed], progress),
-            out,
-            methods=list(arms),
-            seeds=seeds,
-            steps=s.opsd_steps,
-            eval_every=s.eval_every,
-            grpo_n=s.grpo_n,
-            grpo_lr=s.grpo_lr,
-            sft_lr=s.opsd_lr,
-            progress=progress,
-        )
+            plan = general.TunePlan(list(TUNE_SEEDS), seeds, tune_steps, lr=s.grpo_lr, progress=progress)
+            general.run_tune(None, per_seed, out, plan)
+        r = general.run_compare(None, per_seed, out, _compare_plan(s, seeds, arms, progress))
     finally:
         torch.set_num_threads(prev)
-    seeds_out = []
-    for seed in seeds:
-        runs = [x for x in r["runs"] if x["seed"] == seed]
-        p = prepared[seed]
-        arms_out = [
-            {
-                "arm": x["method"],
-                "seed": seed,
-                "points": x["points"],
-                "seconds": x["points"][-1]["train_seconds"],
-            }
-            for x in runs
-        ]
-        seeds_out.append(
-            {
-                "seed": seed,
-                "student_before": runs[0]["points"][0]["accuracy"],
-                "teacher_with_solution": p.teacher_with_solution,
-                "seconds_base_model": p.seconds_base_model,
-                "arms": arms_out,
-            }
-        )
     result = {
         "settings": asdict(s),
         "grpo": r["grpo"],
         "grpo_source": r["grpo_source"],
         "grpo_prompts_per_step": r["budget"]["responses_per_step"] // r["grpo"]["n"],
-        "seeds": seeds_out,
+        "seeds": [_seed_summary(r, seed, prepared[seed]) for seed in seeds],
         "seconds": time.time() - t0,
     }
     result["plot"] = r["plot"]  # `opsd compare`'s compare.png
     (out / "compare_result.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _compare_plan(s: DemoSettings, seeds: list[int], arms: tuple[str, ...], progress: bool) -> ComparePlan:
+    """The demo's settings as `opsd compare`'s plan: its steps, evaluations, GRPO's group and lr, and
+    SFT at OPSD's lr."""
+    from opsd.compare import ComparePlan
+
+    return ComparePlan(
+        methods=list(arms),
+        seeds=seeds,
+        steps=s.opsd_steps,
+        eval_every=s.eval_every,
+        grpo_n=s.grpo_n,
+        grpo_lr=s.grpo_lr,
+        sft_lr=s.opsd_lr,
+        progress=progress,
+    )
+
+
+def _seed_summary(r: dict, seed: int, p: Prepared) -> dict:
+    """One seed in compare_result.json: its base model before training and with the worked solution
+    (``p``: what :func:`opsd.demo.run.prepare` measured), and each arm's evaluations."""
+    runs = [x for x in r["runs"] if x["seed"] == seed]
+    arms_out = [
+        {
+            "arm": x["method"],
+            "seed": seed,
+            "points": x["points"],
+            "seconds": x["points"][-1]["train_seconds"],
+        }
+        for x in runs
+    ]
+    return {
+        "seed": seed,
+        "student_before": runs[0]["points"][0]["accuracy"],
+        "teacher_with_solution": p.teacher_with_solution,
+        "seconds_base_model": p.seconds_base_model,
+        "arms": arms_out,
+    }
 
 
 # ----------------------------------------------------------------------------------------------

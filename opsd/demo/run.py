@@ -28,23 +28,16 @@ COMPARE_STEPS = DemoSettings.opsd_steps
 def demo_accuracy(model: Any, tok: Any, rows: list[dict], digits: int, *, with_solution: bool) -> float:
     """Greedy exact-match accuracy, through `opsd eval`'s loop with the HF engine and the chat template
     training uses. ``with_solution``: the teacher's prompt (problem + worked solution) instead."""
+    from opsd.config import EvalConfig
     from opsd.data import Example
-    from opsd.eval import evaluate_model
+    from opsd.eval import EvalRun, evaluate_model
 
-    res = evaluate_model(
-        model,
-        tok,
-        [Example(r["problem"], r["solution"], r["answer"], i) for i, r in enumerate(rows)],
-        prompts=[prompt_ids(tok, r, with_solution=with_solution) for r in rows],
-        grader=task.grade_digits,
-        k=1,
-        temperature=0.0,
-        top_p=1.0,
-        max_new_tokens=task.max_response_tokens(digits),
-        seed=0,
-        batch_size=512,
-        name="teacher" if with_solution else "student",
-    )
+    examples = [Example(r["problem"], r["solution"], r["answer"], i) for i, r in enumerate(rows)]
+    e = EvalConfig(k=1, temperature=0.0, top_p=1.0, max_new_tokens=task.max_response_tokens(digits))
+    prompts = [prompt_ids(tok, r, with_solution=with_solution) for r in rows]
+    name = "teacher" if with_solution else "student"
+    run = EvalRun(grader=task.grade_digits, seed=0, batch_size=512, prompts=prompts, name=name)
+    res = evaluate_model(model, tok, examples, e, run=run)
     return res.avg_at_k
 
 
@@ -190,7 +183,7 @@ def _run_opsd(
     demo's overrides, evaluated on the held-out set every ``s.eval_every`` steps. A run cut short
     resumes from its last checkpoint; a finished one starts afresh."""
     from opsd.checkpoint import latest_checkpoint
-    from opsd.compare import Budget, EvalPoint, run_trainer_method
+    from opsd.compare import Budget, EvalPoint, MethodJob, run_trainer_method
 
     t0 = time.time()
     _check_run_dir(run_dir)
@@ -201,7 +194,7 @@ def _run_opsd(
     budget = Budget(s.opsd_steps, s.prompts_per_step, s.eval_every)
     start = EvalPoint(0, p.student_before, 0, 0.0)  # prepare() measured it: not evaluated again
     method = "control" if control else "opsd"
-    run = run_trainer_method(method, s.seed, None, overrides, [], run_dir, budget, start, progress)
+    run = run_trainer_method(MethodJob(method, s.seed, None, overrides, run_dir), budget, start, progress)
     (run_dir / "demo.json").write_text(json.dumps({"settings": asdict(s), "control": control}, indent=2))
     # `opsd report` reads eval.jsonl: "accuracy" -> eval/accuracy
     keys = ("step", "accuracy", "generated_tokens", "train_seconds")

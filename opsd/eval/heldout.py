@@ -5,13 +5,14 @@ the number that moves)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from opsd.data import Example, make_sample, student_prompt_ids
 from opsd.distributed import all_reduce_sum, rank_seed
-from opsd.eval.loop import EvalResult, evaluate_model, evaluate_sharded
+from opsd.eval.loop import EvalResult, EvalRun, evaluate_model, evaluate_sharded
 from opsd.eval.sets import HeldoutSet, SetResult, artifact_share, build_reference, evaluate_set, logits_of
 from opsd.loss import LossStats
 from opsd.microbatch import forward_backward
@@ -25,22 +26,8 @@ def heldout_accuracy(
     """The live model's accuracy on the held-out problems, without privileged information, sharded over
     ranks (the result's figures global, its items this rank's); ``engine``: the trainer's rollout
     engine, asleep again after."""
-    e = cfg.eval
-    res = evaluate_sharded(
-        model,
-        tokenizer,
-        examples,
-        rank=rank,
-        world=world,
-        k=e.k,
-        temperature=e.temperature,
-        max_new_tokens=e.max_new_tokens,
-        instruction=cfg.data.instruction,
-        enable_thinking=cfg.data.student_thinking,
-        seed=rank_seed(cfg.seed, rank),
-        engine=engine,
-        grader=grader,
-    )
+    run = EvalRun(engine=engine, grader=grader, seed=rank_seed(cfg.seed, rank))
+    res = evaluate_sharded(model, tokenizer, examples, cfg.eval, cfg.data, run, rank, world)
     # generate() woke it: the checkpoint save and the next step run without vLLM resident
     engine.sleep()
     return res
@@ -52,21 +39,22 @@ def solution_accuracy(
     """The live model's greedy accuracy, one response each, with each problem's solution in its prompt
     (``prompts(i, example)``' teacher prompt): what a teacher reading the solution gets right, the
     ceiling of what it can pass on. Every rank evaluates every problem; ``engine`` asleep again after."""
-    res = evaluate_model(
-        model,
-        tokenizer,
-        examples,
-        k=1,
-        temperature=0.0,
-        max_new_tokens=cfg.eval.max_new_tokens,
-        seed=cfg.seed,
-        engine=engine,
-        grader=grader,
-        prompts=[prompts(i, ex)[1] for i, ex in enumerate(examples)],
-        name="teacher",
-    )
+    greedy = cfg.eval.model_copy(update={"k": 1, "temperature": 0.0})
+    shown = [prompts(i, ex)[1] for i, ex in enumerate(examples)]
+    run = EvalRun(engine=engine, grader=grader, seed=cfg.seed, prompts=shown, name="teacher")
+    res = evaluate_model(model, tokenizer, examples, greedy, run=run)
     engine.sleep()
     return res
+
+
+@dataclass
+class DivergenceStep:
+    """How a training step scores samples, which the held-out divergence repeats without a gradient:
+    its micro-batches, its distillation loss and the forwards' autocast."""
+
+    microbatches: Callable
+    loss_fn: Callable
+    autocast: Callable
 
 
 @torch.no_grad()
@@ -76,16 +64,13 @@ def heldout_divergence(
     examples: list[Example],
     prompts: Callable,
     generate: Callable,
-    microbatches: Callable,
-    loss_fn: Callable,
-    *,
-    autocast: Callable,
+    step: DivergenceStep,
     rank: int,
     world: int,
 ) -> dict:
     """One sampled response per held-out problem (``generate(prompts, n=1)``: the rollout's settings,
     one seed for every evaluation), scored by the teacher with the held-out solutions as a training
-    step scores it (``microbatches``, ``loss_fn``), with no gradient and the model in eval mode (no
+    step scores it (``step``), with no gradient and the model in eval mode (no
     dropout in a metric, no draws from the training RNG). Collective: every rank scores its share."""
     training = model.training
     model.eval()
@@ -99,7 +84,7 @@ def heldout_divergence(
             if c.token_ids
         ]
         loss_sum, stats = forward_backward(
-            model, teacher, microbatches(samples), loss_fn, autocast=autocast, backward=False
+            model, teacher, step.microbatches(samples), step.loss_fn, autocast=step.autocast, backward=False
         )
     finally:
         model.train(training)
@@ -108,6 +93,7 @@ def heldout_divergence(
 
 
 __all__ = [
+    "DivergenceStep",
     "EvalResult",
     "SetResult",
     "artifact_share",

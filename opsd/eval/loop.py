@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from opsd.data import DEFAULT_INSTRUCTION, Example, student_prompt_ids
+from opsd.config import DataConfig, EvalConfig
+from opsd.data import Example, student_prompt_ids
 from opsd.errors import UserError
 from opsd.eval.cut import generate_to_answer
 from opsd.grading import AnswerEnd, Grader, grade, normalize_gold, pass_at_k
@@ -59,50 +60,35 @@ class EvalResult:
         }
 
 
-def check_settings(k: int, temperature: float, top_p: float, max_new_tokens: int, batch_size: int) -> None:
+@dataclass
+class EvalRun:
+    """What one evaluation runs with beside its ``eval`` section: the engine (None: an HFEngine on the
+    model, ``batch_size`` sequences at once), the grader, the seed the chunks' seeds count from, the
+    chunk size, the prompts to generate from instead of the student prompts (a teacher's, a task's),
+    where a response may stop early, and its name and progress bar."""
+
+    engine: Any = None
+    grader: Grader = grade
+    seed: int = 0
+    batch_size: int = 32
+    prompts: list[list[int]] | None = None
+    answer_end: AnswerEnd | None = None
+    name: str = "model"
+    progress: bool = False
+
+
+def check_settings(e: EvalConfig, batch_size: int) -> None:
     """The sampling settings as a UserError, before any model is loaded (`opsd eval` calls it too)."""
-    if not isinstance(k, int) or k < 1:
-        raise UserError(f"k={k!r} must be an integer >= 1 (samples per problem)")
     if batch_size < 1:
         raise UserError(f"batch_size={batch_size} must be >= 1")
     try:
-        SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens).validate()
-    except ValueError as e:
-        raise UserError(str(e)) from None
+        SamplingParams(temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens).validate()
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
-def evaluate_model(
-    model: Any,
-    tokenizer: Any,
-    examples: list[Example],
-    *,
-    k: int = 1,
-    temperature: float = 0.6,
-    top_p: float = 0.95,
-    max_new_tokens: int = 1024,
-    enable_thinking: bool | None = None,
-    instruction: str = DEFAULT_INSTRUCTION,
-    max_prompt_len: int | None = None,
-    seed: int = 0,
-    batch_size: int = 32,
-    engine: Any = None,
-    name: str = "model",
-    progress: bool = False,
-    grader: Grader = grade,
-    prompts: list[list[int]] | None = None,
-    answer_end: AnswerEnd | None = None,
-) -> EvalResult:
-    """Generate k samples per example with `engine` (default: an HFEngine on `model`) and grade them.
-
-    Called by `opsd eval` (per loaded model), `opsd demo` (held-out accuracy), :func:`evaluate_sharded`
-    (the trainer) and bench/. Pass the trainer's own engine to evaluate with vLLM; it must already
-    hold the current weights. ``grader(response, gold)`` scores each sample (default: math-verify).
-    ``prompts``: token ids to generate from, one per example, instead of the student prompt (e.g. a
-    teacher's prompt that holds the privileged information); ``instruction``, ``enable_thinking`` and
-    ``max_prompt_len`` then do not apply. Grading runs in the calling thread; math-verify timeouts
-    only work on the main thread.
-    """
-    check_settings(k, temperature, top_p, max_new_tokens, batch_size)
+def _check_examples(examples: list[Example], prompts: list[list[int]] | None) -> None:
+    """Every example has a gold answer, and explicit prompts one per example."""
     if not examples:
         raise ValueError("no examples to evaluate")
     missing = [ex.row for ex in examples if ex.answer is None]
@@ -113,42 +99,86 @@ def evaluate_model(
         )
     if prompts is not None and len(prompts) != len(examples):
         raise ValueError(f"{len(prompts)} prompts for {len(examples)} examples; give one per example")
-    if engine is None:
-        engine = HFEngine(model, tokenizer, batch_size=batch_size)
 
+
+def evaluate_model(
+    model: Any,
+    tokenizer: Any,
+    examples: list[Example],
+    e: EvalConfig,
+    data: DataConfig | None = None,
+    run: EvalRun | None = None,
+) -> EvalResult:
+    """Generate ``e.k`` samples per example at ``e``'s sampling and grade them.
+
+    Called by `opsd eval` (per loaded model), `opsd demo` (held-out accuracy), :func:`evaluate_sharded`
+    (the trainer) and bench/. ``data``: the student prompts' keys (``instruction``,
+    ``student_thinking``, ``max_prompt_len``; default the section's defaults); ``run``: the engine (the
+    trainer's own to evaluate with vLLM, already holding the current weights), the grader (default
+    math-verify) and explicit prompts, for which ``data`` does not apply. Grading runs in the calling
+    thread; math-verify timeouts only work on the main thread.
+    """
+    run = run or EvalRun()
+    check_settings(e, run.batch_size)
+    _check_examples(examples, run.prompts)
+    engine = run.engine or HFEngine(model, tokenizer, batch_size=run.batch_size)
     t0 = time.time()
-    prompts_truncated = 0
+    prompts, prompts_truncated = run.prompts, 0
     if prompts is None:
-        prompts, prompts_truncated = _student_prompts(
-            tokenizer, examples, instruction, enable_thinking, max_prompt_len
-        )
-
-    # Chunks of batch_size prompts: progress for the bar, and a full batch for every engine.
+        prompts, prompts_truncated = student_prompts(tokenizer, examples, data or DataConfig())
     items: list[dict[str, Any]] = []
     bar = tqdm(
         total=len(examples),
-        desc=f"eval {name}",
+        desc=f"eval {run.name}",
         unit="problem",
-        disable=None if progress else True,
+        disable=None if run.progress else True,
         file=sys.stderr,
     )
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
+    for start in range(0, len(prompts), run.batch_size):
+        chunk = prompts[start : start + run.batch_size]
         # A distinct seed per chunk, fixed by its offset: reproducible for a given seed and batch_size.
         params = SamplingParams(
-            temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed + start
+            temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens, seed=run.seed + start
         )
-        completions = _generate(engine, tokenizer, model, chunk, k, params, answer_end)
-        for j in range(len(chunk)):
-            comps = completions[j * k : (j + 1) * k]
-            if len(comps) != k or any(c.prompt_index != j for c in comps):
-                raise RuntimeError(
-                    f"{type(engine).__name__}.generate broke the prompt-major order of completions"
-                )
-            items.append(_grade_item(start + j, examples[start + j], comps, tokenizer, k, grader))
+        completions = _generate(engine, tokenizer, model, chunk, e.k, params, run.answer_end)
+        items += _grade_chunk(start, examples, completions, tokenizer, e.k, run.grader)
         bar.update(len(chunk))
     bar.close()
+    settings = {"k": e.k, "temperature": e.temperature, "top_p": e.top_p, "max_new_tokens": e.max_new_tokens}
+    if run.prompts is None:
+        d = data or DataConfig()
+        settings |= {
+            "enable_thinking": d.student_thinking,
+            "instruction": d.instruction,
+            "max_prompt_len": d.max_prompt_len,
+        }
+    grader = f"{getattr(run.grader, '__module__', '?')}.{getattr(run.grader, '__qualname__', '?')}"
+    settings |= {
+        "seed": run.seed,
+        "batch_size": run.batch_size,
+        "engine": type(engine).__name__,
+        "grader": grader,
+    }
+    return _result(run.name, e.k, items, prompts_truncated, round(time.time() - t0, 2), settings)
 
+
+def _grade_chunk(
+    start: int, examples: list[Example], completions: list, tokenizer: Any, k: int, grader: Grader
+) -> list[dict[str, Any]]:
+    """The graded items of one chunk of prompts from ``start``, its completions prompt-major."""
+    items = []
+    for j in range(len(completions) // k):
+        comps = completions[j * k : (j + 1) * k]
+        if len(comps) != k or any(c.prompt_index != j for c in comps):
+            raise RuntimeError("the engine's generate broke the prompt-major order of completions")
+        items.append(_grade_item(start + j, examples[start + j], comps, tokenizer, k, grader))
+    return items
+
+
+def _result(
+    name: str, k: int, items: list[dict[str, Any]], prompts_truncated: int, seconds: float, settings: dict
+) -> EvalResult:
+    """The figures of graded ``items``."""
     samples = [s for it in items for s in it["correct"]]
     lengths = [n for it in items for n in it["response_tokens"]]
     return EvalResult(
@@ -162,40 +192,22 @@ def evaluate_model(
         no_answer_frac=sum(x is None for it in items for x in it["extracted"]) / len(samples),
         grading_errors=sum(e is not None for it in items for e in it["errors"]),
         prompts_truncated=prompts_truncated,
-        seconds=round(time.time() - t0, 2),
-        settings={
-            "k": k,
-            "temperature": temperature,
-            "top_p": top_p,
-            "max_new_tokens": max_new_tokens,
-            "enable_thinking": enable_thinking,
-            "instruction": instruction,
-            "max_prompt_len": max_prompt_len,
-            "seed": seed,
-            "batch_size": batch_size,
-            "engine": type(engine).__name__,
-            "grader": f"{getattr(grader, '__module__', '?')}.{getattr(grader, '__qualname__', '?')}",
-        },
+        seconds=seconds,
+        settings=settings,
         items=items,
     )
 
 
-def _student_prompts(
-    tokenizer: Any,
-    examples: list[Example],
-    instruction: str,
-    enable_thinking: bool | None,
-    max_prompt_len: int | None,
-) -> tuple[list[list[int]], int]:
+def student_prompts(tokenizer: Any, examples: list[Example], data: DataConfig) -> tuple[list[list[int]], int]:
     """The student prompts of ``examples``, as training builds them, and how many were cut to length."""
     prompts, truncated = [], 0
     for ex in examples:
         ids, cut = student_prompt_ids(
             tokenizer,
             ex.problem,
-            instruction=instruction,
-            enable_thinking=enable_thinking,
-            max_len=max_prompt_len,
+            instruction=data.instruction,
+            enable_thinking=data.student_thinking,
+            max_len=data.max_prompt_len,
         )
         prompts.append(ids)
         truncated += cut
@@ -242,7 +254,14 @@ def _grade_item(
 
 
 def evaluate_sharded(
-    model, tokenizer, examples: list[Example], *, rank: int, world: int, k: int, **kw
+    model,
+    tokenizer,
+    examples: list[Example],
+    e: EvalConfig,
+    data: DataConfig,
+    run: EvalRun,
+    rank: int,
+    world: int,
 ) -> EvalResult:
     """:func:`evaluate_model` with the examples split over data-parallel ranks and the counts summed.
 
@@ -255,7 +274,8 @@ def evaluate_sharded(
 
     share = -(-len(examples) // world)
     mine = examples[rank * share : (rank + 1) * share]
-    res = evaluate_model(model, tokenizer, mine + examples[: share - len(mine)], k=k, **kw)
+    k = e.k
+    res = evaluate_model(model, tokenizer, mine + examples[: share - len(mine)], e, data, run)
     rows = [
         [
             1,

@@ -39,9 +39,10 @@ Two implementations, each a table keyed by mode:
 
 * :func:`distill_loss_dense` (``reference.py``, ``DENSE``) -- the oracle: autograd over ``[N, V]``
   logits.
-* :func:`fused_linear_distill` (``fused.py``, ``KERNELS``) -- what training uses: takes final
-  hidden states and lm_head weights, walks rows in chunks, never holds more than one chunk of
-  logits per model, and computes analytic gradients (no autograd graph over ``[N, V]``).
+* :func:`fused_linear_distill` (``fused.py``; its chunk kernels, ``KERNELS``, in ``kernels.py``) --
+  what training uses: takes final hidden states and lm_head weights, walks rows in chunks, never
+  holds more than one chunk of logits per model, and computes analytic gradients (no autograd graph
+  over ``[N, V]``).
 
 The seed's vocab-parallel kernel (logits sharded over a tensor-parallel group) is not here: opsd
 shards with FSDP2, whose gathered head is whole on every rank, so nothing would call it.

@@ -4,7 +4,7 @@ distillation estimator.
 ``L = -sum_n c_n log S(y_n)`` with ``c_n = w_n A_n`` a constant per token (``A`` the group-relative
 advantage of the response the token belongs to, ``w`` the reduction weight). It is the sampled-token
 kernel with the advantage given instead of ``log P(y) - log S(y)``: the gradient with respect to the
-tempered logits is ``c (S - onehot(y))`` (:func:`opsd.loss.fused.grad_sampled`). Rollouts are
+tempered logits is ``c (S - onehot(y))`` (:func:`opsd.loss.kernels.grad_sampled`). Rollouts are
 fully on-policy (one optimizer step per rollout batch), so no importance ratio is needed.
 
 Both kernels compute in float32 (float64 for float64 input). A head stored in another dtype (a bf16
@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from opsd.loss.fused import PrecomputedGrad, auto_chunk_size, chunk_entropies, chunk_log_probs, grad_sampled
+from opsd.loss.fused import PrecomputedGrad, auto_chunk_size
+from opsd.loss.kernels import chunk_entropies, chunk_log_probs, grad_sampled
 from opsd.loss.reference import kernel_precision, working_dtype
 from opsd.loss.spec import DistillSpec, LossStats
 

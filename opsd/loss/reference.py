@@ -114,9 +114,10 @@ def floor_end(log_s: Tensor, log_p: Tensor, end_ids: tuple[int, ...]) -> Tensor:
     Why: a teacher that reads the solution and sees the student's answer is wrong would rather go on
     and correct it; the student, without the solution, can only learn that as not stopping. With the
     floor the loss never pushes an end logit of the student down (its gradient is <= 0 on every token
-    for every beta and every clip but entry, tests/loss/test_loss.py); where the teacher would end more, it
-    still pulls. The student's probabilities are a constant of the target: no gradient flows through
-    them. Written in probabilities; the kernel's, in log space: :func:`opsd.loss.fused._floor_end`.
+    for every beta and every clip but entry, tests/loss/test_loss_descent.py); where the teacher would
+    end more, it still pulls. The student's probabilities are a constant of the target: no gradient
+    flows through them. Written in probabilities; the kernel's, in log space:
+    :func:`opsd.loss.kernels._floor_end`.
     """
     if not end_ids:
         return log_p
@@ -145,7 +146,7 @@ def _dense_sampled(a: Tensor, b: Tensor, targets: Tensor, spec: DistillSpec) -> 
     return -(lp_y - ls_y).detach() * ls_y
 
 
-# The loss modes' references, one per entry of opsd.loss.fused.KERNELS: ``(a, b, targets, spec) -> [N]``
+# The loss modes' references, one per entry of opsd.loss.kernels.KERNELS: ``(a, b, targets, spec) -> [N]``
 # per-token losses from tempered logits, by autograd.
 DENSE = {"jsd": _dense_divergence, "topk": _dense_topk, "sampled": _dense_sampled}
 

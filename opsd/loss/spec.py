@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 MODES = ("jsd", "topk", "sampled")
 CLIP_MODES = ("none", "entry", "token", "scale")
 # Whether a clip mode's gradient keeps, on every token, a descent direction of that token's unclipped
-# divergence (``tests/loss/test_loss.py``, the descent property). ``entry`` does not: a clipped entry loses
-# its own term's gradient but keeps the softmax coupling from the others, so its logit is pushed down,
-# and the clipped entries are those where the teacher is confident and the student is not.
+# divergence (``tests/loss/test_loss_descent.py``, the descent property). ``entry`` does not: a clipped
+# entry loses its own term's gradient but keeps the softmax coupling from the others, so its logit is
+# pushed down, and the clipped entries are those where the teacher is confident and the student is not.
 KEEPS_DESCENT = {"none": True, "entry": False, "token": True, "scale": True}
 REDUCTIONS = ("token", "sequence")
 

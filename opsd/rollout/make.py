@@ -55,5 +55,5 @@ def fold_lora_bytes(setting: str, plan: CpuPlan | None) -> int | None:
     if setting == "off":
         return 0
     if setting == "on":
-        return plan.fold_lora_bytes if plan is not None and plan.fold_lora_bytes else 1 << 62
+        return (plan or CpuPlan()).forced_fold_bytes()
     return None

@@ -16,7 +16,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from opsd.cpu.kv import SERVE_CPU_MAX_MODEL_LEN, serve_flags
+from opsd.cpu import SERVE_CPU_MAX_MODEL_LEN, serve_flags
 from opsd.errors import UserError
 
 SERVE_MAX_NUM_SEQS = 16  # `opsd serve --max-num-seqs`: sequences the CPU KV cache holds at full length

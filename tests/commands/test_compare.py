@@ -49,7 +49,7 @@ def _overrides(assets) -> list[str]:
         "eval.limit=2",
         "eval.max_new_tokens=4",
         "eval.divergence=true",
-        "grpo.grader=test_regression:letter_e_reward",
+        "grpo.grader=helpers:letter_e_reward",
         "logging.sample_every=0",
         "rollout.engine=hf",
     ]
@@ -60,7 +60,10 @@ def test_every_method_at_one_budget(assets, tmp_path):
     methods = list(compare.METHODS)
     overrides = [*_overrides(assets), "eval.lenient_grader=last_number"]
     result = compare.run_compare(
-        None, overrides, out, methods=methods, seeds=[0], steps=2, eval_every=1, progress=False, ceiling=True
+        None,
+        overrides,
+        out,
+        compare.ComparePlan(methods=methods, seeds=[0], steps=2, eval_every=1, progress=False, ceiling=True),
     )
     assert json.loads((out / "compare.json").read_text())["methods"] == methods
     assert (out / "compare.png").stat().st_size > 0
@@ -116,12 +119,9 @@ def test_teacher_tokens_count_where_a_teacher_scores(assets, tmp_path):
         None,
         overrides,
         tmp_path / "cmp",
-        ceiling=True,
-        methods=["opsd", "grpo"],
-        seeds=[0],
-        steps=1,
-        eval_every=1,
-        progress=False,
+        compare.ComparePlan(
+            ceiling=True, methods=["opsd", "grpo"], seeds=[0], steps=1, eval_every=1, progress=False
+        ),
     )
     runs = {r["method"]: r["points"][-1] for r in result["runs"]}
     assert runs["opsd"]["teacher_tokens"] > 0 and runs["grpo"]["teacher_tokens"] == 0
@@ -241,7 +241,7 @@ def test_variants_paired_differences_and_the_gap_closed():
 def test_a_comparison_resumes_without_rerunning_finished_methods(assets, tmp_path, monkeypatch):
     out = tmp_path / "cmp"
     kw = dict(methods=["opsd", "grpo"], seeds=[0], steps=2, eval_every=1, progress=False)
-    first = compare.run_compare(None, _overrides(assets), out, **kw)
+    first = compare.run_compare(None, _overrides(assets), out, compare.ComparePlan(**kw))
     # "opsd" stops after its checkpoint at step 2 but before its last evaluation was recorded.
     opsd_dir = out / "seed0" / "opsd"
     (opsd_dir / "compare_method.json").unlink()
@@ -261,7 +261,7 @@ def test_a_comparison_resumes_without_rerunning_finished_methods(assets, tmp_pat
 
     monkeypatch.setattr(trainer_mod.Trainer, "__init__", init)
     monkeypatch.setattr(trainer_mod.Trainer, "step", step)
-    again = compare.run_compare(None, _overrides(assets), out, **kw)
+    again = compare.run_compare(None, _overrides(assets), out, compare.ComparePlan(**kw))
     assert built == [(str(opsd_dir), True)]  # grpo is read back; opsd resumes from its checkpoint
     assert stepped == []  # its checkpoint is at the last step: only the missing evaluation runs
     assert again["runs"] == first["runs"]
@@ -280,16 +280,24 @@ def test_tuning_never_reads_a_reported_seeds_heldout_set(assets, tmp_path, monke
     monkeypatch.setattr(setup_mod, "load_examples", spy)
     out = tmp_path / "cmp"
     with pytest.raises(UserError, match="also reported"):
-        compare.run_tune(None, _overrides(assets), out, tune_seeds=[0, 5], reported=[0], steps=2)
+        compare.run_tune(
+            None, _overrides(assets), out, compare.TunePlan(tune_seeds=[0, 5], reported=[0], steps=2)
+        )
     tune = compare.run_tune(
-        None, _overrides(assets), out, tune_seeds=[5, 6], reported=[0], steps=2, progress=False
+        None,
+        _overrides(assets),
+        out,
+        compare.TunePlan(tune_seeds=[5, 6], reported=[0], steps=2, progress=False),
     )
     assert read and assets["heldout"] not in read
     grid = compare.tune_grid(compare.arm_config(None, _overrides(assets), []), compare.Budget(2, 4, 2))
     assert len(tune["results"]) == len(grid)
     assert tune["chosen"] in [r["setting"] for r in tune["results"]]
     result = compare.run_compare(
-        None, _overrides(assets), out, methods=["grpo"], seeds=[0], steps=1, eval_every=1, progress=False
+        None,
+        _overrides(assets),
+        out,
+        compare.ComparePlan(methods=["grpo"], seeds=[0], steps=1, eval_every=1, progress=False),
     )
     assert result["grpo"] == tune["chosen"] and "--tune grpo" in result["grpo_source"]
 
@@ -302,12 +310,9 @@ def test_grpo_plus_distillation_is_tuned_on_its_own(assets, tmp_path):
         None,
         _overrides(assets),
         out,
-        tune_seeds=[5],
-        reported=[0],
-        steps=2,
-        progress=False,
-        method="mixed",
-        distill_coef=0.5,
+        compare.TunePlan(
+            tune_seeds=[5], reported=[0], steps=2, progress=False, method="mixed", distill_coef=0.5
+        ),
     )
     assert (out / "tune" / "mixed.json").is_file() and not (out / "tune" / "grpo.json").exists()
     assert all(r["distill"] == ["grpo.distill_coef=0.5"] for r in tune["results"])
@@ -317,20 +322,27 @@ def test_grpo_plus_distillation_is_tuned_on_its_own(assets, tmp_path):
         None,
         _overrides(assets),
         out,
-        methods=["mixed"],
-        seeds=[0],
-        steps=1,
-        eval_every=1,
-        distill_coef=0.5,
-        grpo_lr=0.123,
-        progress=False,
+        compare.ComparePlan(
+            methods=["mixed"],
+            seeds=[0],
+            steps=1,
+            eval_every=1,
+            distill_coef=0.5,
+            grpo_lr=0.123,
+            progress=False,
+        ),
     )
     assert result["mixed"] == tune["chosen"] and "--tune mixed" in result["mixed_source"]
     assert result["grpo"]["lr"] == 0.123 and "from the config" in result["grpo_source"]
     trained = (out / "seed0" / "mixed" / "config.yaml").read_text()
     assert f"lr: {tune['chosen']['lr']}" in trained and "distill_coef: 0.5" in trained
     with pytest.raises(UserError, match="--tune sft"):
-        compare.run_tune(None, _overrides(assets), out, tune_seeds=[5], reported=[0], steps=1, method="sft")
+        compare.run_tune(
+            None,
+            _overrides(assets),
+            out,
+            compare.TunePlan(tune_seeds=[5], reported=[0], steps=1, method="sft"),
+        )
 
 
 def test_a_guard_ends_a_method_early_with_its_evaluation(assets, tmp_path):
@@ -339,12 +351,12 @@ def test_a_guard_ends_a_method_early_with_its_evaluation(assets, tmp_path):
     out = tmp_path / "cmp"
     guard = ["guard.max_truncation=0.0", "guard.window=1"]
     kw = dict(methods=["opsd"], seeds=[0], steps=4, eval_every=4, progress=False)
-    result = compare.run_compare(None, [*_overrides(assets), *guard], out, **kw)
+    result = compare.run_compare(None, [*_overrides(assets), *guard], out, compare.ComparePlan(**kw))
     run = result["runs"][0]
     assert run["stopped_by"] == "guard.max_truncation at step 1"
     assert [p["step"] for p in run["points"]] == [0, 1] and run["finished"]
     assert "stopped by guard.max_truncation at step 1" in (out / "compare.md").read_text()
-    again = compare.run_compare(None, [*_overrides(assets), *guard], out, **kw)
+    again = compare.run_compare(None, [*_overrides(assets), *guard], out, compare.ComparePlan(**kw))
     assert again["runs"] == result["runs"]  # read back, not rerun
 
 
@@ -373,21 +385,35 @@ def test_the_ceiling_fits_the_engines_context(assets):
 def test_bad_comparisons_are_one_line_errors(assets, tmp_path):
     no_eval = [o for o in _overrides(assets) if not o.startswith("eval.")]
     with pytest.raises(UserError, match="eval.path"):
-        compare.run_compare(None, no_eval, tmp_path / "a", methods=["opsd"], seeds=[0], progress=False)
+        compare.run_compare(
+            None, no_eval, tmp_path / "a", compare.ComparePlan(methods=["opsd"], seeds=[0], progress=False)
+        )
     with pytest.raises(UserError, match="unknown"):
-        compare.run_compare(None, _overrides(assets), tmp_path / "b", methods=["ppo"], seeds=[0])
+        compare.run_compare(
+            None, _overrides(assets), tmp_path / "b", compare.ComparePlan(methods=["ppo"], seeds=[0])
+        )
     with pytest.raises(UserError, match="grpo-n"):
         compare.run_compare(
-            None, _overrides(assets), tmp_path / "c", methods=["grpo"], seeds=[0], grpo_n=3, progress=False
+            None,
+            _overrides(assets),
+            tmp_path / "c",
+            compare.ComparePlan(methods=["grpo"], seeds=[0], grpo_n=3, progress=False),
         )
     reuse = [*_overrides(assets), "rollout.reuse.refresh_every=4", "grpo.tis_cap=0"]
     with pytest.raises(UserError, match="--methods grpo: .*needs grpo.tis_cap") as e:  # before OPSD trains
-        compare.run_compare(None, reuse, tmp_path / "e", methods=["opsd", "grpo"], seeds=[0], progress=False)
+        compare.run_compare(
+            None,
+            reuse,
+            tmp_path / "e",
+            compare.ComparePlan(methods=["opsd", "grpo"], seeds=[0], progress=False),
+        )
     assert "\n" not in str(e.value) and not (tmp_path / "e" / "seed0").exists()
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x").write_text("mine")
     with pytest.raises(UserError, match="not an `opsd compare` directory"):
-        compare.run_compare(None, _overrides(assets), tmp_path / "d", methods=["opsd"], seeds=[0])
+        compare.run_compare(
+            None, _overrides(assets), tmp_path / "d", compare.ComparePlan(methods=["opsd"], seeds=[0])
+        )
 
 
 class _Trains(Exception):
@@ -415,20 +441,27 @@ def test_control_b_notes_rows_sharing_a_solution_before_any_method_trains(
     kw = dict(seeds=[0], steps=1, progress=False)
     line = f"data: 2 of 4 rows of {shared} share their solution with another row; control B reads"
     with pytest.raises(_Trains):
-        compare.run_compare(None, overrides, tmp_path / "a", methods=["opsd", "control_b"], **kw)
+        compare.run_compare(
+            None, overrides, tmp_path / "a", compare.ComparePlan(methods=["opsd", "control_b"], **kw)
+        )
     assert capsys.readouterr().err.count(line) == 1
     variant = compare.Variant("other", "opsd", ("teacher.solution_source=other",))
     with pytest.raises(_Trains):
-        compare.run_compare(None, overrides, tmp_path / "b", methods=["other"], variants=[variant], **kw)
+        compare.run_compare(
+            None, overrides, tmp_path / "b", compare.ComparePlan(methods=["other"], variants=[variant], **kw)
+        )
     assert line in capsys.readouterr().err
     with pytest.raises(_Trains):
-        compare.run_compare(None, overrides, tmp_path / "c", methods=["opsd"], **kw)
+        compare.run_compare(None, overrides, tmp_path / "c", compare.ComparePlan(methods=["opsd"], **kw))
     assert "share their solution" not in capsys.readouterr().err
     same = tmp_path / "same.jsonl"
     same.write_text("".join(json.dumps({"problem": f"Q{i}?", "solution": bios[0]}) + "\n" for i in range(3)))
     with pytest.raises(UserError, match="every row has the same solution") as e:
         compare.run_compare(
-            None, [*_overrides(assets), f"data.path={same}"], tmp_path / "d", methods=["control_b"], **kw
+            None,
+            [*_overrides(assets), f"data.path={same}"],
+            tmp_path / "d",
+            compare.ComparePlan(methods=["control_b"], **kw),
         )
     assert str(e.value).startswith(f"{same}: ") and "\n" not in str(e.value)
 
@@ -458,12 +491,14 @@ def test_compare_runs_on_smollm2_with_the_math_data(smollm2_path, tmp_path):
         ROOT / "examples" / "smollm2-math.yaml",
         overrides,
         tmp_path / "cmp",
-        methods=["opsd", "grpo", "sft", "mixed"],
-        seeds=[0],
-        steps=2,
-        eval_every=2,
-        grpo_n=2,
-        progress=False,
+        compare.ComparePlan(
+            methods=["opsd", "grpo", "sft", "mixed"],
+            seeds=[0],
+            steps=2,
+            eval_every=2,
+            grpo_n=2,
+            progress=False,
+        ),
     )
     assert [r["method"] for r in result["runs"]] == ["opsd", "grpo", "sft", "mixed"]
     assert all(r["points"][-1]["divergence"] is not None for r in result["runs"])

@@ -192,3 +192,25 @@ def test_reads_teacher_only_where_the_objective_scores_with_it(objective, distil
         ["data.path=x.jsonl", f"objective={objective}", f"grpo.distill_coef={distill_coef}", "rollout.n=2"],
     )
     assert cfg.reads_teacher() is reads
+
+
+def test_the_commands_read_the_training_sections_themselves():
+    """`opsd eval` and `opsd sft` declare no section of their own: each key has one type and one
+    validation in every command."""
+    from opsd.config import EvalCommand, SFTCommand
+
+    for schema in (EvalCommand, SFTCommand):
+        shared = [n for n in schema.model_fields if n in Config.model_fields]
+        assert {"seed", "device", "model", "data", "rollout", "cpu"} <= set(shared)
+        for name in shared:
+            assert schema.model_fields[name].annotation is Config.model_fields[name].annotation, name
+    eval_keys = ["model.path=m", "eval.path=d.jsonl"]
+    for bad, key in (("eval.k=0", "eval.k"), ("rollout.batch_size=0", "rollout.batch_size")):
+        with pytest.raises(UserError, match=key.replace(".", r"\.")):
+            load_config(None, [*eval_keys, bad], schema=EvalCommand)
+        with pytest.raises(UserError, match=key.replace(".", r"\.")):
+            load_config(None, ["data.path=d.jsonl", bad])
+    with pytest.raises(UserError, match=r"eval\.path is required"):
+        load_config(None, ["model.path=m"], schema=EvalCommand)
+    with pytest.raises(UserError, match=r"out is required"):
+        load_config(None, ["model.path=m", "data.path=d"], schema=SFTCommand)

@@ -134,8 +134,9 @@ def test_demo_accuracy_goes_through_opsd_eval(monkeypatch):
 
     seen = {}
 
-    def spy(model, tok, examples, **kw):
-        seen.update(kw, examples=examples)
+    def spy(model, tok, examples, e, run):
+        seen.update(e.model_dump(), examples=examples)
+        seen.update(vars(run))  # the run's grader, not the section's name
         return opsd.eval.EvalResult("x", 1, len(examples), 0.25, 0.25, 17.0, 0.0, 0.0, 0, 0, 0.0)
 
     monkeypatch.setattr(opsd.eval, "evaluate_model", spy)

@@ -143,13 +143,13 @@ def test_a_failing_probe_is_one_line_and_the_others_still_run():
 
 
 def test_cpu_line_names_the_instruction_sets(monkeypatch):
-    import opsd.cpu.bf16
+    import opsd.cpu
 
     flags = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
-    monkeypatch.setattr(opsd.cpu.bf16, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(opsd.cpu, "cpu_flags", lambda: flags)
     line = env.cpu_line()
     assert line.endswith("; AVX2 yes, AVX512 yes, AVX512-BF16 yes, AMX-BF16 yes (" + env_isa() + ")")
-    monkeypatch.setattr(opsd.cpu.bf16, "cpu_flags", lambda: "flags\t\t: fpu avx2\n")
+    monkeypatch.setattr(opsd.cpu, "cpu_flags", lambda: "flags\t\t: fpu avx2\n")
     assert "; AVX2 yes, AVX512 no, AVX512-BF16 no, AMX-BF16 no (" in env.cpu_line()
 
 

@@ -17,9 +17,9 @@ from qwen3_tiny import ASSISTANT_TURN, EMPTY_THINK_BLOCK, save_qwen3_assets
 import opsd.eval.cli as eval_cli
 from opsd import Trainer, load_config
 from opsd.cli import main
+from opsd.config import EvalCommand
 from opsd.data import RowKeys, load_examples
 from opsd.eval import EvalResult
-from opsd.eval.cli import EvalCommandConfig
 
 RECIPE = ROOT / "examples" / "qwen3-1.7b-reference.yaml"
 EVAL_CONFIGS = {name: ROOT / "examples" / "eval" / f"{name}.yaml" for name in ("aime24", "aime25", "hmmt25")}
@@ -82,11 +82,12 @@ def test_the_recipe_runs_one_step_on_a_tiny_model(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(EVAL_CONFIGS))
 def test_eval_configs_are_avg_at_12_with_thinking_at_the_budget(name):
-    cfg = load_config(EVAL_CONFIGS[name], schema=EvalCommandConfig)
-    assert cfg.k == 12 and cfg.data.student_thinking is True
-    assert Path(cfg.data.path).name == EVAL_FILES[name]
-    r = cfg.rollout
-    assert (r.engine, r.temperature, r.top_p, r.max_new_tokens) == ("vllm", 0.6, 0.95, THINKING_BUDGET)
+    cfg = load_config(EVAL_CONFIGS[name], schema=EvalCommand)
+    e = cfg.eval
+    assert e.k == 12 and cfg.data.student_thinking is True
+    assert Path(e.path).name == EVAL_FILES[name]
+    assert cfg.rollout.engine == "vllm"
+    assert (e.temperature, e.top_p, e.max_new_tokens) == (0.6, 0.95, THINKING_BUDGET)
     # HMMT's rows already carry the \boxed{} instruction; the AIME rows get it appended
     assert (cfg.data.instruction == "") is (name == "hmmt25")
 
@@ -97,10 +98,11 @@ def test_eval_data_has_the_keys_the_configs_read(name):
     path = SHARED / EVAL_FILES[name]
     if not path.exists():
         pytest.skip(f"{path} not present")
-    cfg = load_config(EVAL_CONFIGS[name], schema=EvalCommandConfig)
+    cfg = load_config(EVAL_CONFIGS[name], schema=EvalCommand)
     rep = load_examples(
         str(path),
-        RowKeys(problem=cfg.data.problem_key, solution=None, answer=cfg.data.answer_key),
+        RowKeys(problem=cfg.data.problem_key, solution=None, answer=cfg.eval.answer_key),
+        split=cfg.eval.split,
         require_answer=True,
     )
     assert len(rep.examples) == 30
@@ -122,9 +124,9 @@ def _documented_eval_commands() -> list[list[str]]:
 def test_reproduce_md_eval_commands_run_avg_at_12_with_thinking(monkeypatch):
     calls = []
 
-    def fake_evaluate(model, data, **kw):
-        calls.append({"model": model, "data": data, **kw})
-        return {"m": EvalResult("m", kw["k"], 30, 0.5, 0.9, 100.0, 0.0, 0.0, 0, 0, 1.0)}
+    def fake_evaluate(cfg, out_dir=None, progress=False):
+        calls.append(cfg)
+        return {"m": EvalResult("m", cfg.eval.k, 30, 0.5, 0.9, 100.0, 0.0, 0.0, 0, 0, 1.0)}
 
     monkeypatch.setattr(eval_cli, "evaluate", fake_evaluate)
     monkeypatch.chdir(ROOT)  # the commands run from the repository root; the fake evaluate writes nothing
@@ -132,8 +134,10 @@ def test_reproduce_md_eval_commands_run_avg_at_12_with_thinking(monkeypatch):
     assert len(commands) >= 3, commands
     for argv in commands:
         assert main(argv) == 0, argv
-    assert {Path(c["data"]).name for c in calls} >= set(EVAL_FILES.values())
+    assert {Path(c.eval.path).name for c in calls} >= set(EVAL_FILES.values())
     for c in calls:
-        assert c["k"] == 12 and c["enable_thinking"] is True and c["max_new_tokens"] == THINKING_BUDGET
-        assert c["engine"] == "vllm" and c["temperature"] in (0.6, 1.0)
-        assert "Qwen/Qwen3-1.7B" in c["model"] and len(c["model"]) >= 2  # the base beside a checkpoint
+        e = c.eval
+        assert e.k == 12 and c.data.student_thinking is True and e.max_new_tokens == THINKING_BUDGET
+        assert c.rollout.engine == "vllm" and e.temperature in (0.6, 1.0)
+        models = c.model_paths()
+        assert "Qwen/Qwen3-1.7B" in models and len(models) >= 2  # the base beside a checkpoint

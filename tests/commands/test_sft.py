@@ -1,4 +1,5 @@
-"""`opsd sft`: the shared optimizer and schedule, the YAML + overrides dialect, and one-line user errors."""
+"""`opsd sft`: training's ``objective: sft`` on the training sections, the shared optimizer and schedule
+(there and in the demo base's own loop), the YAML + overrides dialect, and one-line user errors."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-import opsd.sft
+import opsd.optim
 from opsd.cli import main
 from opsd.optim import lr_factor
 
@@ -29,25 +31,28 @@ def _data(tmp_path: Path, rows: list[dict] = ROWS) -> Path:
     return path
 
 
-def test_sft_follows_the_shared_schedule(tiny_model, tiny_tokenizer, monkeypatch) -> None:
-    """The LR at each step is opsd.optim.lr_factor's: one schedule for `opsd train` and `opsd sft`."""
+def test_the_demo_base_loop_follows_the_shared_schedule(tiny_model, tiny_tokenizer, monkeypatch) -> None:
+    """The LR at each step is opsd.optim.lr_factor's: one schedule for `opsd train`, `opsd sft` and the
+    demo base's own SFT loop."""
+    from opsd.demo.base import DemoSettings, demo_sft
+
     eos = [tiny_tokenizer.eos_token_id]
     pairs = [(tiny_tokenizer.encode("1+1="), tiny_tokenizer.encode("2") + eos)]
     lrs = []
     opt_holder = {}
-    real = opsd.sft.make_optimizer
+    real = opsd.optim.make_optimizer
 
     def spy(params, optim):
         opt_holder["opt"], sched = real(params, optim)
         return opt_holder["opt"], sched
 
-    monkeypatch.setattr(opsd.sft, "make_optimizer", spy)
-    losses = opsd.sft.sft(
+    monkeypatch.setattr(opsd.optim, "make_optimizer", spy)
+    s = DemoSettings(sft_steps=8, sft_lr=1e-2, sft_batch=2, sft_schedule="cosine")
+    losses = demo_sft(
         tiny_model,
         pairs,
-        steps=8,
-        lr=1e-2,
-        batch_size=2,
+        s,
+        pad_id=0,
         warmup=3,
         progress=False,
         callback=lambda step, loss: lrs.append(opt_holder["opt"].param_groups[0]["lr"]),
@@ -59,11 +64,43 @@ def test_sft_follows_the_shared_schedule(tiny_model, tiny_tokenizer, monkeypatch
     assert losses[-1] < losses[0]
 
 
+def test_sft_is_trainings_objective_sft_with_the_shared_schedule(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """`opsd sft` runs `opsd train objective=sft` on its sections: its run's metrics are training's, each
+    step's LR opsd.optim.lr_factor's, and the model written to --out loads and differs from the start."""
+    from opsd.config import SFTCommand, load_config
+    from opsd.models import load_model
+
+    out = tmp_path / "out"
+    keys = ["optim.max_steps=4", "optim.warmup_steps=2", "rollout.prompts_per_step=2", "device=cpu"]
+    argv = ["sft", "--model", str(tiny_model_dir), "--data", str(_data(tmp_path)), "--out", str(out), *keys]
+    assert main([*argv, "--lr", "1e-2"]) == 0
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["objective"] == "sft" and saved["model"]["lora"]["enabled"] is False
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    # recorded after the step, as in the demo loop's test: the LR the next step will use
+    assert lrs == pytest.approx(
+        [1e-2 * lr_factor(s, warmup=2, total=4, schedule="cosine") for s in range(1, 5)]
+    )
+    trained = load_model(str(out))
+    start = load_model(str(tiny_model_dir))
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), start.parameters(), strict=True))
+    cfg = load_config(None, ["model.path=m", "data.path=d", "out=o"], schema=SFTCommand).training_config()
+    assert (cfg.objective, cfg.optim.lr, cfg.optim.scheduler, cfg.rollout.prompts_per_step) == (
+        "sft",
+        1e-5,
+        "cosine",
+        8,
+    )
+
+
 def test_cli_config_overrides_and_flags(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     cfg = tmp_path / "sft.yaml"
     out = tmp_path / "out"
     cfg.write_text(f"model:\n  path: {tiny_model_dir}\ndata:\n  path: {_data(tmp_path)}\n  instruction: ''\n")
-    argv = ["sft", "--config", str(cfg), "--out", str(out), "optim.max_steps=2", "optim.batch_size=2"]
+    argv = ["sft", "--config", str(cfg), "--out", str(out), "optim.max_steps=2", "rollout.prompts_per_step=2"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "6 rows, 2 steps" in printed and (out / "config.json").is_file()
@@ -98,19 +135,19 @@ def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
 
 def test_cli_takes_the_cpu_section(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
     """`opsd sft` reads training's ``cpu`` section: the plan it trains under is the section's."""
-    import opsd.sft as sft_mod
+    import opsd.trainer
 
     plans = []
-    real = sft_mod.sft
+    real = opsd.trainer.Trainer.train
 
-    def spy(*a, **kw):
-        plans.append(kw["plan"])
-        return real(*a, **kw)
+    def spy(self, *a, **kw):
+        plans.append(self.run.plan)
+        return real(self, *a, **kw)
 
-    monkeypatch.setattr(sft_mod, "sft", spy)
+    monkeypatch.setattr(opsd.trainer.Trainer, "train", spy)
     cfg = tmp_path / "sft.yaml"
     cfg.write_text(f"model:\n  path: {tiny_model_dir}\ndata:\n  path: {_data(tmp_path)}\n  instruction: ''\n")
-    keys = ["optim.max_steps=1", "optim.batch_size=2", "device=cpu", "model.dtype=bfloat16"]
+    keys = ["optim.max_steps=1", "rollout.prompts_per_step=2", "device=cpu", "model.dtype=bfloat16"]
     assert main(["sft", "--config", str(cfg), "--out", str(tmp_path / "a"), *keys]) == 0
     assert (
         main(["sft", "--config", str(cfg), "--out", str(tmp_path / "b"), *keys, "cpu.bucket_widths=false"])

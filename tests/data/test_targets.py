@@ -11,7 +11,7 @@ import pytest
 from helpers import build_assets, make_cfg
 
 import opsd.setup
-import opsd.sft
+import opsd.trainer
 from opsd.cli import main
 from opsd.data import PromptBuilder, student_prompt_ids
 from opsd.models import load_tokenizer
@@ -85,18 +85,19 @@ def test_the_sft_anchor_trains_on_the_target(assets, tmp_path) -> None:
 
 
 def test_opsd_sft_target_key_trains_on_the_target(assets, tmp_path, monkeypatch) -> None:
-    """`opsd sft --target-key target`: the pairs handed to the SFT loop are the targets'."""
+    """`opsd sft --target-key target`: the pairs its training (``objective: sft``'s queue) takes are the
+    targets'."""
     seen: list = []
-    real = opsd.sft.sft
+    real = opsd.trainer.Trainer.close
 
-    def spy(model, pairs, **kw):
-        seen.append(pairs)
-        return real(model, pairs, **kw)
+    def spy(self):
+        seen.append([self.run.queue.solutions.pair(i) for i in range(len(self.run.data.examples))])
+        return real(self)
 
-    monkeypatch.setattr(opsd.sft, "sft", spy)
+    monkeypatch.setattr(opsd.trainer.Trainer, "close", spy)
     argv = ["sft", "--model", assets["model"], "--data", assets["data"], "--out", str(tmp_path / "out")]
-    flags = ["--target-key", "target", "optim.max_steps=1", "optim.batch_size=2", "data.instruction=Add."]
-    assert main([*argv, *flags]) == 0
+    keys = ["optim.max_steps=1", "rollout.prompts_per_step=2", "data.instruction=Add.", "device=cpu"]
+    assert main([*argv, "--target-key", "target", *keys]) == 0
     cfg = make_cfg(assets, tmp_path / "unused", **{"data.instruction": "Add."})
     assert seen == [[_target_pair(load_tokenizer(assets["model"]), row, cfg) for row in ROWS]]
 

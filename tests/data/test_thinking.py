@@ -22,8 +22,9 @@ from qwen3_tiny import (
 )
 
 from opsd import Trainer, load_config
+from opsd.config import DataConfig, EvalConfig
 from opsd.data import Example, PromptBuilder, student_prompt_ids, teacher_prompt_ids
-from opsd.eval import evaluate_model
+from opsd.eval import EvalRun, evaluate_model
 from opsd.rollout import Completion
 
 THINKING_BUDGET = 38912  # Qwen3's recommended max_new_tokens for competition math in thinking mode
@@ -125,17 +126,8 @@ def test_evaluation_at_the_thinking_budget_passes_enable_thinking_to_the_templat
     monkeypatch.setattr(tok, "apply_chat_template", spy)
     engine = RecordingEngine(tok)
     examples = [Example(r["problem"], "", r["answer"], i) for i, r in enumerate(ROWS[:2])]
-    res = evaluate_model(
-        None,
-        tok,
-        examples,
-        k=12,
-        temperature=0.6,
-        top_p=0.95,
-        max_new_tokens=THINKING_BUDGET,
-        enable_thinking=flag,
-        engine=engine,
-    )
+    e = EvalConfig(k=12, temperature=0.6, top_p=0.95, max_new_tokens=THINKING_BUDGET)
+    res = evaluate_model(None, tok, examples, e, DataConfig(student_thinking=flag), EvalRun(engine=engine))
     assert seen == [flag, flag]  # one render per problem, each with the flag
     ((prompts, n, params),) = engine.calls
     assert n == 12 and params.max_new_tokens == THINKING_BUDGET and params.temperature == 0.6

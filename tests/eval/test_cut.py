@@ -3,13 +3,16 @@ complete grades as the whole response, and the engines stop a sequence there."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from helpers import WritingEngine
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from opsd.config import EvalConfig
 from opsd.data import Example
-from opsd.eval import evaluate_model
+from opsd.eval import EvalRun, evaluate_model
 from opsd.eval.cut import generate_to_answer
 from opsd.grading import ANSWER_ENDS, AnswerEnd, grade_answer_is
 from opsd.rollout import HFEngine, SamplingParams
@@ -156,9 +159,10 @@ def test_evaluate_model_cuts_only_when_asked(tiny_model, tiny_tokenizer):
     tok = tiny_tokenizer
     engine = WritingEngine(None, tiny_model, tok, write=lambda a, b: f"The answer is {a + b}. And then more.")
     examples = _examples([(1, 2), (3, 4), (5, 6)])
-    kw = dict(k=1, temperature=0.0, max_new_tokens=64, engine=engine, grader=grade_answer_is)
-    whole = evaluate_model(tiny_model, tok, examples, **kw)
-    cut = evaluate_model(tiny_model, tok, examples, answer_end=END, **kw)
+    e = EvalConfig(k=1, temperature=0.0, max_new_tokens=64)
+    run = EvalRun(engine=engine, grader=grade_answer_is)
+    whole = evaluate_model(tiny_model, tok, examples, e, run=run)
+    cut = evaluate_model(tiny_model, tok, examples, e, run=replace(run, answer_end=END))
     assert [it["finish_reasons"] for it in whole.items] == [["stop"]] * 3
     assert [it["finish_reasons"] for it in cut.items] == [["answer"]] * 3
     assert cut.avg_at_k == whole.avg_at_k == 1.0 and cut.resp_len_mean < whole.resp_len_mean

@@ -11,9 +11,11 @@ import torch
 from helpers import SHARED_DATA
 
 from opsd.cli import main
+from opsd.config import DataConfig, EvalCommand, EvalConfig, load_config
 from opsd.data import Example, RowKeys, load_examples, student_prompt_ids
 from opsd.errors import UserError
-from opsd.eval import EvalResult, add_eval_arguments, evaluate, evaluate_model, format_eval_table, run_eval
+from opsd.eval import EvalResult, EvalRun, evaluate_model
+from opsd.eval.cli import add_eval_arguments, evaluate, format_eval_table, run_eval
 from opsd.grading import GRADERS, Grade
 from opsd.rollout import Completion
 
@@ -48,6 +50,11 @@ def _examples() -> list[Example]:
     return [Example(r["problem"], "", str(r["answer"]), i) for i, r in enumerate(ROWS)]
 
 
+def _command(model: Path | str, data: Path | str, *keys: str) -> EvalCommand:
+    """`opsd eval`'s settings for ``model`` on ``data``, with dotted ``keys`` on top."""
+    return load_config(None, [f"model.path={model}", f"eval.path={data}", *keys], schema=EvalCommand)
+
+
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -65,7 +72,8 @@ def test_metrics_on_scripted_completions(tiny_tokenizer) -> None:
         2: [("2 + 3", ""), (r"\boxed{6}", "stop"), (r"\boxed{6", "length"), (r"\boxed{4}", "stop")],
     }
     engine = ScriptedEngine(tiny_tokenizer, scripts)
-    res = evaluate_model(None, tiny_tokenizer, _examples(), k=3, engine=engine, name="scripted", seed=7)
+    run = EvalRun(engine=engine, name="scripted", seed=7)
+    res = evaluate_model(None, tiny_tokenizer, _examples(), EvalConfig(k=3, temperature=0.6), run=run)
     assert engine.calls == [(3, 3, 7)]  # non-HF engines get every prompt in one call
     assert res.num_problems == 3 and res.k == 3
     assert res.avg_at_k == pytest.approx(4 / 9)
@@ -85,7 +93,8 @@ def test_metrics_on_scripted_completions(tiny_tokenizer) -> None:
 def test_evaluate_model_on_live_tiny_model(tiny_model, tiny_tokenizer) -> None:
     """The trainer's path: a live model object, HF engine built inside, model left in training mode."""
     tiny_model.train()
-    res = evaluate_model(tiny_model, tiny_tokenizer, _examples(), k=2, max_new_tokens=4, batch_size=2, seed=1)
+    e = EvalConfig(k=2, temperature=0.6, max_new_tokens=4)
+    res = evaluate_model(tiny_model, tiny_tokenizer, _examples(), e, run=EvalRun(batch_size=2, seed=1))
     assert tiny_model.training
     assert res.num_problems == 3
     for it in res.items:
@@ -93,9 +102,7 @@ def test_evaluate_model_on_live_tiny_model(tiny_model, tiny_tokenizer) -> None:
         assert all(1 <= n <= 4 for n in it["response_tokens"])
         assert set(it["finish_reasons"]) <= {"stop", "length"}
     assert 0.0 <= res.avg_at_k <= res.pass_at_k <= 1.0
-    again = evaluate_model(
-        tiny_model, tiny_tokenizer, _examples(), k=2, max_new_tokens=4, batch_size=2, seed=1
-    )
+    again = evaluate_model(tiny_model, tiny_tokenizer, _examples(), e, run=EvalRun(batch_size=2, seed=1))
     assert [it["responses"] for it in again.items] == [it["responses"] for it in res.items]  # seeded
 
 
@@ -111,7 +118,8 @@ def test_evaluate_uses_the_training_prompt(tiny_model, tiny_tokenizer) -> None:
                 for _ in range(n)
             ]
 
-    evaluate_model(tiny_model, tiny_tokenizer, _examples()[:1], engine=Spy(), instruction="Box it.")
+    data = DataConfig(instruction="Box it.")
+    evaluate_model(tiny_model, tiny_tokenizer, _examples()[:1], EvalConfig(), data, EvalRun(engine=Spy()))
     assert seen == [student_prompt_ids(tiny_tokenizer, ROWS[0]["problem"], instruction="Box it.")[0]]
 
 
@@ -172,40 +180,41 @@ def test_missing_answer_field_names_row_and_keys(tmp_path: Path, tiny_model_dir:
         tmp_path / "d.jsonl", [{"problem": "a", "answer": "1"}, {"problem": "b", "solution": "x"}]
     )
     with pytest.raises(ValueError, match=r"row 1.*'answer'.*available keys: \['problem', 'solution'\]"):
-        evaluate(str(tiny_model_dir), str(data))
+        evaluate(_command(tiny_model_dir, data))
 
 
 def test_unreadable_model_path(tmp_path: Path) -> None:
     data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
     with pytest.raises(UserError, match="nope"):
-        evaluate(str(tmp_path / "nope"), str(data))
+        evaluate(_command(tmp_path / "nope", data))
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(UserError, match="empty_dir"):
-        evaluate(str(tmp_path / "empty_dir"), str(data))
+        evaluate(_command(tmp_path / "empty_dir", data))
 
 
 @pytest.mark.parametrize(
-    "kw, match",
+    "key, match",
     [
-        ({"k": 0}, "k=0"),
-        ({"k": -2}, "k=-2"),
-        ({"limit": 0}, "limit=0"),
-        ({"temperature": -1.0}, "temperature"),
-        ({"top_p": 0.0}, "top_p"),
-        ({"engine": "tgi"}, "tgi"),
+        ("eval.k=0", r"eval\.k.*got 0"),
+        ("eval.k=-2", r"eval\.k.*got -2"),
+        ("eval.limit=0", r"eval\.limit.*got 0"),
+        ("eval.temperature=-1.0", r"eval\.temperature"),
+        ("eval.top_p=0.0", r"eval\.top_p"),
+        ("rollout.engine=tgi", "tgi"),
+        ("rollout.engine=vllm_server", "hf or vllm"),
     ],
 )
-def test_bad_settings(tmp_path: Path, tiny_model_dir: Path, kw: dict, match: str) -> None:
+def test_bad_settings(tmp_path: Path, tiny_model_dir: Path, key: str, match: str) -> None:
     data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
-    with pytest.raises(ValueError, match=match):
-        evaluate(str(tiny_model_dir), str(data), **kw)
+    with pytest.raises(UserError, match=match):
+        _command(tiny_model_dir, data, key)
 
 
 def test_evaluate_model_rejects_k0_and_missing_gold(tiny_tokenizer) -> None:
-    with pytest.raises(ValueError, match="k=0"):
-        evaluate_model(None, tiny_tokenizer, _examples(), k=0)
+    with pytest.raises(ValueError, match="k"):
+        evaluate_model(None, tiny_tokenizer, _examples(), EvalConfig(k=0))
     with pytest.raises(ValueError, match="no gold answer"):
-        evaluate_model(None, tiny_tokenizer, [Example("q", "", None, 4)])
+        evaluate_model(None, tiny_tokenizer, [Example("q", "", None, 4)], EvalConfig())
 
 
 @pytest.mark.shared_data
@@ -246,55 +255,73 @@ def test_custom_grader_and_prompts(tiny_tokenizer) -> None:
         word = response.split()[0]
         return Grade(correct=word == gold, extracted=word, error=None)
 
-    res = evaluate_model(
-        None,
-        tiny_tokenizer,
-        _examples()[:2],
-        engine=ScriptedEngine(tiny_tokenizer, scripts),
-        grader=by_first_word,
-        prompts=prompts,
-    )
+    run = EvalRun(engine=ScriptedEngine(tiny_tokenizer, scripts), grader=by_first_word, prompts=prompts)
+    res = evaluate_model(None, tiny_tokenizer, _examples()[:2], EvalConfig(), run=run)
     assert seen == [("half", "0.5"), ("72 clips", "Sold 24 in May.\n#### 72")]
     assert res.avg_at_k == 0.0 and res.no_answer_frac == 0.0
     assert res.items[1]["extracted"] == ["72"]
     assert res.settings["grader"].endswith("by_first_word")
     with pytest.raises(ValueError, match="one per example"):
-        evaluate_model(None, tiny_tokenizer, _examples(), prompts=prompts)
+        evaluate_model(None, tiny_tokenizer, _examples(), EvalConfig(), run=EvalRun(prompts=prompts))
 
 
 def test_config_file_and_overrides(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """`opsd eval --config eval.yaml key=value`, the dialect of `opsd train`; flags are shorthands."""
-    from opsd.config import load_config
-    from opsd.eval import EVAL_FLAGS, EvalCommandConfig, flag_overrides
+    """`opsd eval --config eval.yaml key=value`, the dialect and the sections of `opsd train`; flags are
+    shorthands for those keys."""
+    from opsd.config import flag_overrides
+    from opsd.eval.cli import EVAL_FLAGS
 
     cfg_path = tmp_path / "eval.yaml"
-    cfg_path.write_text(f"model:\n  path: {tiny_model_dir}\ndata:\n  path: d.jsonl\nk: 4\n")
-    cfg = load_config(cfg_path, ["rollout.temperature=0", "data.limit=2"], schema=EvalCommandConfig)
-    assert cfg.model.path == [str(tiny_model_dir)] and cfg.k == 4
-    assert cfg.rollout.temperature == 0 and cfg.data.limit == 2 and cfg.rollout.top_p == 0.95
-    assert cfg.grader == "math"
-    assert load_config(cfg_path, ["grader=lenient"], schema=EvalCommandConfig).grader == "lenient"
+    cfg_path.write_text(f"model:\n  path: {tiny_model_dir}\neval:\n  path: d.jsonl\n  k: 4\n")
+    cfg = load_config(cfg_path, ["eval.temperature=0", "eval.limit=2"], schema=EvalCommand)
+    assert cfg.model_paths() == [str(tiny_model_dir)] and cfg.eval.k == 4
+    assert cfg.eval.temperature == 0 and cfg.eval.limit == 2 and cfg.eval.top_p == 0.95
+    assert load_config(cfg_path, schema=EvalCommand).eval.temperature == 0.6  # the command's default
+    assert cfg.eval.grader == "math"
+    assert load_config(cfg_path, ["eval.grader=lenient"], schema=EvalCommand).eval.grader == "lenient"
     for name in GRADERS:  # every grader training's eval.grader names
-        assert load_config(cfg_path, [f"grader={name}"], schema=EvalCommandConfig).grader == name
+        assert load_config(cfg_path, [f"eval.grader={name}"], schema=EvalCommand).eval.grader == name
 
     p = argparse.ArgumentParser()
     add_eval_arguments(p)
-    args = p.parse_args(["--model", "a", "b", "k=3", "--data", "1e5.jsonl", "--no-thinking"])
-    assert args.model == ["a", "b", "k=3"]  # argparse's view; run_eval hands k=3 back to the overrides
+    args = p.parse_args(["--model", "a", "b", "eval.k=3", "--data", "1e5.jsonl", "--no-thinking"])
+    assert args.model == ["a", "b", "eval.k=3"]  # argparse's view; run_eval hands eval.k=3 back
     flags = flag_overrides(args, EVAL_FLAGS)
-    assert 'data.path="1e5.jsonl"' in flags and "data.student_thinking=false" in flags
-    cfg = load_config(None, flags, schema=EvalCommandConfig)
-    assert cfg.data.path == "1e5.jsonl"  # a file name stays a string, not the number 100000.0
-    with pytest.raises(UserError, match=r"rollout\.tempreature"):
-        load_config(cfg_path, ["rollout.tempreature=0"], schema=EvalCommandConfig)
+    assert 'eval.path="1e5.jsonl"' in flags and "data.student_thinking=false" in flags
+    cfg = load_config(None, ["model.path=a", *flags], schema=EvalCommand)
+    assert cfg.eval.path == "1e5.jsonl"  # a file name stays a string, not the number 100000.0
+    with pytest.raises(UserError, match=r"eval\.tempreature"):
+        load_config(cfg_path, ["eval.tempreature=0"], schema=EvalCommand)
+    with pytest.raises(UserError, match=r"data\.path.*eval\.path"):
+        load_config(cfg_path, ["data.path=d.jsonl"], schema=EvalCommand)
+
+
+def test_grader_from_a_module_as_in_training(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    """`opsd eval --grader mod:fn` is training's ``eval.grader: mod:fn``: one key, one resolution."""
+    (tmp_path / "my_grader_mod.py").write_text("def every_answer(response, gold):\n    return True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    out = tmp_path / "out"
+    argv = ["eval", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out)]
+    argv += ["--grader", "my_grader_mod:every_answer", "--max-new-tokens", "2", "--limit", "2"]
+    assert main(argv) == 0
+    summary = json.loads((out / "tiny.summary.json").read_text())
+    assert summary["avg_at_k"] == 1.0 and summary["num_problems"] == 2
+    train_keys = ["data.path=t.jsonl", f"eval.path={data}", "eval.grader=my_grader_mod:every_answer"]
+    from opsd.config import Config
+
+    assert load_config(None, train_keys, schema=Config).eval.grader == "my_grader_mod:every_answer"
+    err = "eval.grader=my_grader_mod:nothing_here"
+    with pytest.raises(UserError, match="nothing_here"):
+        evaluate(_command(tiny_model_dir, data, err))
 
 
 def test_cli_config_and_stray_override(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
     out = tmp_path / "out"
     cfg = tmp_path / "eval.yaml"
-    cfg.write_text(f"data:\n  path: {data}\nrollout:\n  max_new_tokens: 2\n  temperature: 0\n")
-    argv = ["eval", "--config", str(cfg), "--out", str(out), "--model", str(tiny_model_dir), "data.limit=1"]
+    cfg.write_text(f"eval:\n  path: {data}\n  max_new_tokens: 2\n  temperature: 0\n")
+    argv = ["eval", "--config", str(cfg), "--out", str(out), "--model", str(tiny_model_dir), "eval.limit=1"]
     assert main(argv) == 0
     summary = json.loads((out / "tiny.summary.json").read_text())
     assert summary["num_problems"] == 1 and summary["settings"]["max_new_tokens"] == 2
@@ -322,7 +349,7 @@ def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     no_answers = _write_jsonl(tmp_path / "no_answers.jsonl", [{"problem": "a", "solution": "x"}])
     err = _cli_error(capsys, ["eval", *model, "--data", str(no_answers)])
     assert "no_answers.jsonl" in err and "'answer'" in err
-    assert "k" in _cli_error(capsys, ["eval", *model, "--data", good, "k=0"])
+    assert "eval.k" in _cli_error(capsys, ["eval", *model, "--data", good, "eval.k=0"])
     assert "model.path" in _cli_error(capsys, ["eval", "--data", good])
     err = _cli_error(capsys, ["eval", *model, "--data", good, "--device", "gpu"])
     assert "device" in err and "cuda:N" in err  # opsd.devices' spelling check, as for `opsd train`
@@ -334,8 +361,6 @@ def test_cli_takes_the_cpu_section(tmp_path: Path, tiny_model_dir: Path, monkeyp
     """`opsd eval` reads training's ``cpu`` section: its plan lays the weights out and tunes the engine
     (``cpu.tuning: off`` is the plain path), and a mistyped key is refused."""
     import opsd.eval.cli as eval_cli
-    from opsd.config import load_config
-    from opsd.eval import EvalCommandConfig
 
     plans = []
     real = eval_cli.make_engine
@@ -347,11 +372,11 @@ def test_cli_takes_the_cpu_section(tmp_path: Path, tiny_model_dir: Path, monkeyp
     monkeypatch.setattr(eval_cli, "make_engine", spy)
     data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
     argv = ["eval", "--model", str(tiny_model_dir), "--data", str(data)]
-    keys = ["rollout.max_new_tokens=2", "data.limit=1", "device=cpu"]
+    keys = ["eval.max_new_tokens=2", "eval.limit=1", "device=cpu"]
     assert main([*argv, "--out", str(tmp_path / "auto"), *keys]) == 0
     assert main([*argv, "--out", str(tmp_path / "off"), *keys, "cpu.tuning=off"]) == 0
     auto, off = plans
     assert not auto.empty and auto.static_cache and not auto.pack_rows  # nothing trains: nothing packed
     assert off.empty and "cpu.tuning=off" in off.notes
     with pytest.raises(UserError, match=r"cpu\.tunning"):
-        load_config(None, ["model.path=m", "data.path=d", "cpu.tunning=off"], schema=EvalCommandConfig)
+        load_config(None, ["model.path=m", "eval.path=d", "cpu.tunning=off"], schema=EvalCommand)

@@ -13,6 +13,7 @@ from helpers import build_assets, make_cfg
 from opsd.anchor import SFTAnchor
 from opsd.config import DataConfig, load_config
 from opsd.data import make_microbatches
+from opsd.data.batching import TokenWeights
 from opsd.data.sources import Example
 from opsd.tiny import build_tiny_model, build_tiny_tokenizer
 from opsd.trainer import Trainer
@@ -30,7 +31,7 @@ def test_the_anchor_is_the_token_mean_cross_entropy_of_the_solutions():
 
     def microbatches(samples):
         n = sum(s.response_len for s in samples)
-        kw = dict(reduction="token", global_tokens=float(n), global_seqs=float(len(samples)), device="cpu")
+        kw = dict(weights=TokenWeights("token", float(n), float(len(samples))), device="cpu")
         return make_microbatches(samples, max_tokens=64, pad_id=0, **kw)  # several micro-batches
 
     sums: dict[str, float] = {}

@@ -10,7 +10,7 @@ import torch
 from helpers import build_assets, make_cfg
 
 from opsd.data import make_microbatches, make_sample
-from opsd.data.batching import loss_tokens
+from opsd.data.batching import TokenWeights, loss_tokens
 from opsd.trainer import Trainer
 
 
@@ -32,10 +32,8 @@ def test_only_a_stopped_responses_end_token_is_skipped():
 def test_weights_sum_to_one_over_the_tokens_the_loss_reads(reduction, skip_end):
     samples = _samples()
     lens = [loss_tokens(s, skip_end) for s in samples]
-    counts = dict(global_tokens=float(sum(lens)), global_seqs=float(sum(n > 0 for n in lens)))
-    mbs = make_microbatches(
-        samples, max_tokens=1000, pad_id=0, reduction=reduction, device="cpu", skip_end=skip_end, **counts
-    )
+    weighting = TokenWeights(reduction, float(sum(lens)), float(sum(n > 0 for n in lens)), skip_end)
+    mbs = make_microbatches(samples, max_tokens=1000, pad_id=0, weights=weighting, device="cpu")
     weights = torch.cat([mb.weights for mb in mbs])
     # float32 sums of a few reciprocals of small integers: a few ulp of 1
     assert math.isclose(weights.sum().item(), 1.0, rel_tol=1e-6)

@@ -69,9 +69,7 @@ def test_mixed_objective_gradient_is_the_sum_of_its_parts_in_float64():
 
 def test_distill_coef_zero_is_grpo_alone(assets, tmp_path):
     """No teacher term: the teacher never scores, the privileged solutions are not loaded."""
-    cfg = make_cfg(
-        assets, tmp_path / "run", objective="grpo", **{"grpo.grader": "test_regression:letter_e_reward"}
-    )
+    cfg = make_cfg(assets, tmp_path / "run", objective="grpo", **{"grpo.grader": "helpers:letter_e_reward"})
     objective = make_objective(cfg, cfg.loss.chunk_size)
     assert isinstance(objective, GRPO) and not objective.uses_teacher
     tr = Trainer(cfg)
@@ -105,7 +103,7 @@ def test_mixed_objective_uses_the_configured_privileged_teacher(assets, tmp_path
         assets,
         tmp_path / "run",
         objective="grpo",
-        **{"grpo.distill_coef": 0.5, "grpo.grader": "test_regression:letter_e_reward", "optim.max_steps": 1},
+        **{"grpo.distill_coef": 0.5, "grpo.grader": "helpers:letter_e_reward", "optim.max_steps": 1},
     )
     tr = Trainer(cfg)
     assert tr.run.objective.uses_teacher and tr.run.teacher.mode == "fixed"
@@ -140,7 +138,7 @@ def test_heldout_divergence_is_recorded_at_evaluation(assets, tmp_path, objectiv
         "eval.divergence": True,
         "optim.max_steps": 1,
         "objective": objective,
-        "grpo.grader": "test_regression:letter_e_reward",
+        "grpo.grader": "helpers:letter_e_reward",
     }
     tr = Trainer(make_cfg(assets, tmp_path / "run", **over))
     (rec,) = tr.train()

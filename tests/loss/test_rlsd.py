@@ -126,7 +126,7 @@ def test_the_teachers_share_falls_linearly_to_zero():
 
 
 def _assets_cfg(tmp_path, **over):
-    over = {"objective": "rlsd", "grpo.grader": "test_regression:letter_e_reward", **over}
+    over = {"objective": "rlsd", "grpo.grader": "helpers:letter_e_reward", **over}
     return make_cfg(build_assets(tmp_path / "assets"), tmp_path / "run", **over)
 
 

@@ -88,3 +88,11 @@ def test_main_writes_and_checks(tmp_path, capsys):
     assert configdoc.main(["--check", "--out", str(out)]) == 0
     out.write_text(out.read_text() + "edited\n")
     assert configdoc.main(["--check", "--out", str(out)]) == 1
+
+
+def test_the_commands_are_documented_with_the_sections_they_read():
+    text = configdoc.render()
+    assert "## `opsd eval`" in text and "## `opsd sft`" in text
+    assert "| `models` | list of str | `[]` |" in text  # a command's own key, described
+    assert "`eval.temperature: 0.6`" in text and "`model.lora.enabled: false`" in text  # changed defaults
+    assert "`seed`, `device`, `model`, `data`, `eval`, `rollout`, `cpu`" in text

@@ -51,7 +51,7 @@ COMPARE = (*STEP, "opsd/compare", "opsd/eval", "opsd/grading.py", "opsd/sft.py")
 # `studies/NAME.md` (the page) or `studies/NAME.md#anchor` (a part with a Measured line of its own).
 MEASURES: dict[str, tuple[str, ...]] = {
     "loss-cpu-benchlosspy": ("opsd/loss", "bench/loss.py"),
-    "studies/precision.md": ("opsd/loss", "tests/loss/test_loss.py"),
+    "studies/precision.md": ("opsd/loss", "tests/loss/test_loss_precision.py"),
     "loss-products-on-this-cpu-benchcpuloss_productspy": (
         "opsd/loss",
         "opsd/cpu",

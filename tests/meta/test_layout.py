@@ -1,8 +1,10 @@
-"""The package's shape: no import cycles between opsd modules, and a short, readable step."""
+"""The package's shape: no import cycles between opsd modules, arrows that run down the layers, a short,
+readable step, small modules and functions, each name defined once and private names kept private."""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 from helpers import ROOT
@@ -99,7 +101,16 @@ def test_the_step_reads_top_to_bottom():
 # --- the "never" rules of docs/architecture.md ----------------------------------------------------
 
 MODEL_CODE = {"opsd.models", "opsd.teacher", "opsd.parallel", "opsd.rollout", "opsd.trainer"}
-LIGHT = ["opsd.config", "opsd.loss.spec", "opsd.data.sources", "opsd.data.prompts", "opsd.devices"]
+LIGHT = [
+    "opsd.config",
+    "opsd.loss.spec",
+    "opsd.data.sources",
+    "opsd.data.prompts",
+    "opsd.devices",
+    "opsd.cpu",
+]
+# Packages light throughout; of the others (opsd.cpu) only the package's face is light.
+LIGHT_WHOLE = {"opsd.config"}
 COMMANDS = ("opsd.cli", "opsd.eval", "opsd.sft", "opsd.demo", "opsd.compare", "opsd.probe")
 
 
@@ -173,6 +184,140 @@ def test_the_command_rule_catches_an_import_from_below():
     assert command_imports_from_below(graph) == ["opsd.anchor -> opsd.sft"]
 
 
+# --- arrows run down the house (docs/architecture.md, "Arrows run down the house") ------------------
+
+# Every opsd module's layer, top to bottom, a room a line; a module imports only from its own layer or
+# below. Notes: `opsd` is the package's face (`from opsd import Trainer`); `opsd.eval` is the
+# evaluation loop's face; `opsd.metrics`, the step's record, reads the loss's statistics;
+# `opsd.loss.spec`, the loss's options and their rules (no torch), is what the config validates
+# through; `opsd.fetch` is the model cache, and its `opsd fetch-model` parser imports nothing above it.
+LAYERS: dict[str, list[str]] = {
+    "commands": """
+        opsd opsd.__main__ opsd.cli opsd.configdoc opsd.env opsd.report opsd.sft opsd.rollout.serve
+        opsd.probe opsd.probe_report
+        opsd.eval.cli
+        opsd.compare opsd.compare.cli opsd.compare.methods opsd.compare.plan opsd.compare.records
+        opsd.compare.report opsd.compare.run opsd.compare.tuning
+        opsd.demo opsd.demo.base opsd.demo.cli opsd.demo.compare opsd.demo.run opsd.demo.task
+    """.split(),
+    "the run": "opsd.setup opsd.trainer".split(),
+    "components": """
+        opsd.anchor opsd.microbatch opsd.objectives opsd.optim opsd.metrics opsd.rewards opsd.grading
+        opsd.teacher
+        opsd.checkpoint opsd.records opsd.rundir opsd.guard
+        opsd.data opsd.data.batching opsd.data.controls opsd.data.prompts opsd.data.sampler
+        opsd.data.solutions opsd.data.sources
+        opsd.eval opsd.eval.cut opsd.eval.heldout opsd.eval.loop opsd.eval.sets
+        opsd.loss opsd.loss.fused opsd.loss.kernels opsd.loss.overlap opsd.loss.policy_gradient
+        opsd.loss.reference
+        opsd.rollout opsd.rollout.base opsd.rollout.hf opsd.rollout.make opsd.rollout.queue
+        opsd.rollout.remote opsd.rollout.reuse opsd.rollout.vllm
+    """.split(),
+    "foundations": """
+        opsd.config opsd.config.base opsd.config.commands opsd.config.cpu opsd.config.data opsd.config.eval
+        opsd.config.load opsd.config.loss opsd.config.model opsd.config.optim opsd.config.rollout
+        opsd.config.root opsd.loss.spec opsd.errors
+        opsd.models opsd.tiny opsd.fetch
+        opsd.devices opsd.precision opsd.distributed opsd.parallel opsd.procs
+        opsd.companions opsd.companion_shim opsd.companion_shim.sitecustomize
+        opsd.cpu opsd.cpu.bf16 opsd.cpu.buckets opsd.cpu.budget opsd.cpu.cache opsd.cpu.fold opsd.cpu.heap
+        opsd.cpu.kv opsd.cpu.layout opsd.cpu.openmp opsd.cpu.packing
+    """.split(),
+}
+
+
+def layer_of() -> dict[str, int]:
+    """Module -> its layer's depth (0: the commands, at the top)."""
+    return {m: depth for depth, modules in enumerate(LAYERS.values()) for m in modules}
+
+
+def import_edges(sources: dict[str, str], top_level_only: bool = False) -> list[tuple[str, str, int]]:
+    """(importer, imported, line) for each import of one opsd module by another, lazy ones inside
+    functions included (unless ``top_level_only``); ``from opsd.x import y`` imports ``opsd.x.y`` where
+    that is a module, else ``opsd.x``."""
+    edges = []
+    for name, source in sorted(sources.items()):
+        tree = ast.parse(source)
+        for node in tree.body if top_level_only else ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in sources:
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    edges.append((name, full if full in sources else node.module, node.lineno))
+            elif isinstance(node, ast.Import):
+                edges += [(name, a.name, node.lineno) for a in node.names if a.name in sources]
+    return sorted({(a, b, line) for a, b, line in edges if a != b})
+
+
+def upward_imports(sources: dict[str, str], layers: dict[str, int]) -> list[str]:
+    """Each import of a module from a layer above the importer's, as "importer:line (layer) -> imported
+    (layer)". Loading a module runs its packages' ``__init__`` first, so what a package imports at its
+    top is imported by each of its modules too ("..., as package:line imports it")."""
+    names = list(LAYERS)
+    found = [
+        f"{a}:{line} ({names[layers[a]]}) -> {b} ({names[layers[b]]})"
+        for a, b, line in import_edges(sources)
+        if layers[b] < layers[a]
+    ]
+    on_load = import_edges(sources, top_level_only=True)
+    for module in sorted(sources):
+        for package, b, line in on_load:
+            if module.startswith(package + ".") and b != module and layers[b] < layers[module]:
+                found.append(
+                    f"{module} ({names[layers[module]]}) -> {b} ({names[layers[b]]}), "
+                    f"as {package}:{line} imports it"
+                )
+    return found
+
+
+def test_every_module_has_a_layer():
+    classified = [m for modules in LAYERS.values() for m in modules]
+    twice = sorted({m for m in classified if classified.count(m) > 1})
+    assert not twice, f"in two layers: {twice}"
+    modules = set(_sources())
+    missing = sorted(modules - set(classified))
+    assert not missing, (
+        f"modules in no layer: {missing}: add each to LAYERS in tests/meta/test_layout.py (commands, "
+        'the run, components, foundations) and to docs/architecture.md, "Arrows run down the house"'
+    )
+    gone = sorted(set(classified) - modules)
+    assert not gone, f"LAYERS names modules that do not exist: {gone}"
+
+
+def test_arrows_run_down_the_house():
+    """A module imports only from its own layer or below (docs/architecture.md, "Arrows run down the
+    house"): commands, the run, components, foundations."""
+    found = upward_imports(_sources(), layer_of())
+    assert not found, "imports from a layer above the importer's:\n" + "\n".join(found)
+
+
+def test_the_layer_rule_catches_an_upward_import():
+    sources = {
+        "opsd.cli": "import opsd.trainer\nfrom opsd import models\n",
+        "opsd.trainer": "from opsd.setup import build\n",
+        "opsd.setup": "def f():\n    from opsd.cli import main\n",
+        "opsd.models": "from opsd import errors, __version__\n",
+        "opsd.errors": "",
+        "opsd": "",
+        "opsd.eval": "from opsd.eval.cli import run_eval\nfrom opsd.eval.loop import evaluate_model\n",
+        "opsd.eval.cli": "",
+        "opsd.eval.loop": "",
+    }
+    layers = {
+        "opsd.cli": 0,
+        "opsd": 0,
+        "opsd.trainer": 1,
+        "opsd.setup": 1,
+        "opsd.models": 3,
+        "opsd.errors": 3,
+    }
+    layers |= {"opsd.eval": 0, "opsd.eval.cli": 0, "opsd.eval.loop": 2}
+    assert upward_imports(sources, layers) == [
+        "opsd.models:1 (foundations) -> opsd (commands)",
+        "opsd.setup:2 (the run) -> opsd.cli (commands)",
+        "opsd.eval.loop (components) -> opsd.eval.cli (commands), as opsd.eval:1 imports it",
+    ]
+
+
 def _top_level_roots(path: Path, anywhere: bool = False) -> list[tuple[str, int]]:
     tree = ast.parse(path.read_text())
     roots = []
@@ -187,8 +332,15 @@ def _top_level_roots(path: Path, anywhere: bool = False) -> list[tuple[str, int]
 def test_light_modules_do_not_import_torch_at_module_level():
     for name in LIGHT:
         path = PKG.parent / (name.replace(".", "/") + ".py")
-        lines = [line for root, line in _top_level_roots(path) if root == "torch"]
-        assert not lines, f"{name} imports torch at module level (line {lines[0]})"
+        if path.is_file():
+            modules = [path]
+        elif name in LIGHT_WHOLE:
+            modules = sorted(path.with_suffix("").rglob("*.py"))
+        else:
+            modules = [path.with_suffix("") / "__init__.py"]
+        for module in modules:
+            lines = [line for root, line in _top_level_roots(module) if root == "torch"]
+            assert not lines, f"{module.name} of {name} imports torch at module level (line {lines[0]})"
 
 
 def test_the_package_imports_no_bench_or_tests():
@@ -198,37 +350,121 @@ def test_the_package_imports_no_bench_or_tests():
         assert not bad, f"{path.relative_to(PKG.parent)} imports {sorted(bad)}"
 
 
-def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    """A function's lines without its docstring."""
-    body = fn.body
-    docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-    if docstring and isinstance(body[0].value.value, str):
-        if len(body) == 1:
-            return 0
-        return fn.end_lineno - body[1].lineno + 1
-    return fn.end_lineno - body[0].lineno + 1
+# --- sizes: a newcomer reads a module, not a file; a function, not a page ---------------------------
+
+MAX_FUNCTION_LINES = 80
+MAX_PARAMETERS = 8
+MAX_MODULE_LINES = 600
 
 
-def test_modules_and_functions_stay_small():
-    """No module over 600 lines (config.py, which only declares fields, is exempt) and no function over
-    80 lines, docstring excluded: past these sizes a newcomer reads a file instead of a module."""
-    long_modules, long_functions = [], []
-    for path in sorted(PKG.rglob("*.py")):
-        source = path.read_text()
-        if len(source.splitlines()) > 600 and path.name != "config.py":
-            long_modules.append(str(path.relative_to(PKG.parent)))
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _body_lines(node) > 80:
-                long_functions.append(f"{path.relative_to(PKG.parent)}:{node.lineno} {node.name}")
-    assert not long_modules, long_modules
-    assert not long_functions, long_functions
+def _python_files(*folders: str, leave_out: tuple[str, ...] = ()) -> list[Path]:
+    """The ``.py`` files under each folder of the repository, less those under ``leave_out``."""
+    skip = [ROOT / f for f in leave_out]
+    return [
+        p
+        for folder in folders
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        if not any(s == p or s in p.parents for s in skip)
+    ]
 
 
-def test_the_size_count_leaves_out_the_docstring_only():
+def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    tree = ast.parse(path.read_text())
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def function_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's lines from its ``def`` to its last line, the signature included and the docstring
+    left out (decorators are above the ``def`` and do not count)."""
+    lines = fn.end_lineno - fn.lineno + 1
+    first = fn.body[0]
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+def parameter_count(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's parameters, ``self``/``cls`` not counted; ``*args`` and ``**kwargs`` one each."""
+    a = fn.args
+    named = [*a.posonlyargs, *a.args]
+    if named and named[0].arg in ("self", "cls"):
+        named = named[1:]
+    return len(named) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def functions_over(paths: list[Path], measure: Callable[[ast.AST], int], limit: int, unit: str) -> list[str]:
+    """Each function whose ``measure`` is over ``limit``, as "file:line function: N unit"."""
+    return [
+        f"{_rel(path)}:{fn.lineno} {fn.name}: {measure(fn)} {unit}"
+        for path in paths
+        for fn in _functions(path)
+        if measure(fn) > limit
+    ]
+
+
+def long_functions(paths: list[Path]) -> list[str]:
+    return functions_over(paths, function_lines, MAX_FUNCTION_LINES, "lines")
+
+
+def wide_functions(paths: list[Path]) -> list[str]:
+    return functions_over(paths, parameter_count, MAX_PARAMETERS, "parameters")
+
+
+def long_modules(paths: list[Path]) -> list[str]:
+    """Each module over ``MAX_MODULE_LINES`` lines, as "file: N lines"."""
+    counts = {path: len(path.read_text().splitlines()) for path in paths}
+    return [f"{_rel(path)}: {n} lines" for path, n in counts.items() if n > MAX_MODULE_LINES]
+
+
+def test_no_function_is_over_80_lines():
+    """Counted from ``def`` to the last line, the docstring left out, in opsd/, bench/ (its GPU
+    evidence scripts in bench/gpu/ aside) and scripts/: past this size a reader scrolls a function."""
+    paths = _python_files("opsd", "bench", "scripts", leave_out=("bench/gpu",))
+    found = long_functions(paths)
+    assert not found, f"{len(found)} functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(found)
+
+
+def test_no_function_takes_over_8_parameters():
+    """In opsd/, bench/ and scripts/: more than eight, and the parameters belong together in an object
+    (a config section, a dataclass) or the function does two jobs."""
+    found = wide_functions(_python_files("opsd", "bench", "scripts"))
+    assert not found, f"{len(found)} functions over {MAX_PARAMETERS} parameters:\n" + "\n".join(found)
+
+
+def test_no_module_is_over_600_lines():
+    """In opsd/, bench/ (bench/gpu/ included) and tests/, every folder down: a module says one thing."""
+    found = long_modules(_python_files("opsd", "bench", "tests"))
+    assert not found, f"{len(found)} modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(found)
+
+
+def test_the_size_counts():
     fn = ast.parse('def f():\n    """Doc\n    more."""\n    a = 1\n    return a\n').body[0]
-    assert _body_lines(fn) == 2
+    assert function_lines(fn) == 3  # def, a = 1, return: the docstring left out
     fn = ast.parse("def g():\n    a = 1\n    b = 2\n    return a + b\n").body[0]
-    assert _body_lines(fn) == 3
+    assert function_lines(fn) == 4
+    fn = ast.parse("@cache\ndef h(\n    x,\n    y,\n):\n    return x\n").body[0]
+    assert function_lines(fn) == 5  # the signature's four lines and the body; the decorator not
+    cls = ast.parse("class C:\n    def m(self, a, *rest, b, **kw):\n        pass\n").body[0]
+    assert parameter_count(cls.body[0]) == 4  # a, *rest, b, **kw
+    fn = ast.parse("def k(cls_, a, /, b, *, c=1):\n    pass\n").body[0]
+    assert parameter_count(fn) == 4
+    src = "def big(" + ", ".join(f"a{i}" for i in range(9)) + "):\n" + "    x = 1\n" * 80
+    path = ROOT / "tests" / "meta" / "_size_probe.py"
+    try:
+        path.write_text(src)
+        assert long_functions([path]) == ["tests/meta/_size_probe.py:1 big: 81 lines"]
+        assert wide_functions([path]) == ["tests/meta/_size_probe.py:1 big: 9 parameters"]
+        assert long_modules([path]) == []
+    finally:
+        path.unlink()
 
 
 # --- each name once, private names kept private ----------------------------------------------------
@@ -305,7 +541,11 @@ def private_uses(sources: dict[str, str]) -> list[str]:
 
 
 def test_no_private_name_is_used_across_modules():
-    assert private_uses(_sources()) == []
+    """Within opsd/, and from bench/ and scripts/ into opsd/ (tests may reach a private name)."""
+    scripts = {_module_name(p): p.read_text() for p in _python_files("bench", "scripts")}
+    found = private_uses(_sources() | scripts)
+    why = "private names used across modules (make the name public, or move it):\n"
+    assert not found, why + "\n".join(found)
 
 
 def test_the_private_rule_catches_imports_and_attributes():

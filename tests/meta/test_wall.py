@@ -97,3 +97,119 @@ def test_the_wall_check_finds_each_spelling():
     )
     lines = [n for n, _ in device_branches(src)]
     assert sorted(set(lines)) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 11]
+
+
+# --- the CPU room's one door: the package ``opsd.cpu``, its plan's hooks ---------------------------
+
+CPU_SUBMODULES = {p.stem for p in (PKG / "cpu").glob("*.py") if p.stem != "__init__"}
+
+
+def _dotted(node: ast.AST, bound: dict[str, str]) -> str | None:
+    """``a.b.c`` as the module path it names, its first name resolved through ``bound``."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name) or node.id not in bound:
+        return None
+    return ".".join([bound[node.id], *reversed(parts)])
+
+
+def cpu_submodule_uses(source: str) -> list[str]:
+    """Each place ``source`` reaches past the package ``opsd.cpu`` into one of its modules, as
+    "line what": ``import opsd.cpu.x``, ``from opsd.cpu.x import ...``, ``from opsd.cpu import x``, or
+    ``opsd.cpu.x`` read off a bound name (``import opsd``, ``from opsd import cpu``), lazy imports
+    inside functions included."""
+    found, bound = [], {}
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("opsd.cpu."):
+                    found.append(f"{node.lineno} import {a.name}")
+                if a.name == "opsd" or a.name.startswith("opsd."):
+                    bound[a.asname or "opsd"] = a.name if a.asname else "opsd"
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.startswith("opsd.cpu."):
+                found.append(f"{node.lineno} from {node.module} import ...")
+            for a in node.names:
+                if node.module == "opsd.cpu" and a.name in CPU_SUBMODULES:
+                    found.append(f"{node.lineno} from opsd.cpu import {a.name}")
+                if node.module == "opsd":
+                    bound[a.asname or a.name] = f"opsd.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            name = _dotted(node, bound)
+            if name and name.count(".") == 2 and name.startswith("opsd.cpu.") and node.attr in CPU_SUBMODULES:
+                found.append(f"{node.lineno} {name}")
+    return sorted(set(found), key=lambda s: (int(s.split()[0]), s))
+
+
+def _plan_fields() -> set[str]:
+    from dataclasses import fields
+
+    from opsd.cpu import CpuPlan
+
+    return {f.name for f in fields(CpuPlan)}
+
+
+def plan_field_reads(source: str, names: set[str]) -> list[str]:
+    """Each ``.name`` read in ``source`` whose name is one of CpuPlan's fields, as "line .name": the
+    plan's fields are read inside ``opsd/cpu/`` alone; outside, a hook says what the plan means."""
+    return [
+        f"{node.lineno} .{node.attr}"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and node.attr in names
+    ]
+
+
+def _outside_cpu() -> dict[str, str]:
+    return {
+        str(p.relative_to(PKG.parent)): p.read_text()
+        for p in sorted(PKG.rglob("*.py"))
+        if PKG / "cpu" not in p.parents
+    }
+
+
+def test_nothing_outside_the_cpu_room_imports_its_modules():
+    """Code outside ``opsd/cpu/`` reaches the room through the package ``opsd.cpu`` alone: its plan,
+    ``resolve_plan``, ``apply_plan``, ``default_plan`` and the entry points it exports (tests and the
+    ``bench/cpu/`` probes, which measure one mechanism each, read the modules themselves)."""
+    found = {path: hits for path, src in _outside_cpu().items() if (hits := cpu_submodule_uses(src))}
+    assert found == {}, "import these from the package opsd.cpu (export them in opsd/cpu/__init__.py)"
+
+
+def test_no_cpu_plan_field_is_read_outside_the_cpu_room():
+    names = _plan_fields()
+    assert {"pack_rows", "bucket_widths", "loss_slab_elements"} <= names
+    found = {path: hits for path, src in _outside_cpu().items() if (hits := plan_field_reads(src, names))}
+    assert found == {}, "read the plan through a hook (a CpuPlan method in opsd/cpu/__init__.py)"
+
+
+def test_the_cpu_door_checks_find_each_spelling():
+    src = "\n".join(
+        [
+            "import opsd.cpu.heap",
+            "from opsd.cpu.kv import serve_flags",
+            "from opsd.cpu import heap, CpuPlan, resolve_plan",
+            "from opsd import cpu",
+            "import opsd",
+            "def f():",
+            "    from opsd.cpu.packing import pack_rows",
+            "    return cpu.heap.trim_heap(), opsd.cpu.layout, cpu.resolve_plan, cpu.CpuPlan",
+            "from opsd.cpu import openmp_waiting",
+            "import opsd.cpu as room",
+            "room.budget",
+        ]
+    )
+    assert cpu_submodule_uses(src) == [
+        "1 import opsd.cpu.heap",
+        "2 from opsd.cpu.kv import ...",
+        "3 from opsd.cpu import heap",
+        "7 from opsd.cpu.packing import ...",
+        "8 opsd.cpu.heap",
+        "8 opsd.cpu.layout",
+        "11 opsd.cpu.budget",
+    ]
+    reads = "plan.bucket_widths\nself.plan.pack_from = 3\nparts.plan.row_widths()\ncfg.size\n"
+    assert plan_field_reads(reads, {"bucket_widths", "pack_from"}) == ["1 .bucket_widths"]

@@ -172,7 +172,7 @@ def test_overlap_through_a_real_server(assets, tmp_path, server):
     over = {
         "rollout.overlap": 1,
         "objective": "grpo",
-        "grpo.grader": "test_regression:letter_e_reward",
+        "grpo.grader": "helpers:letter_e_reward",
         "data.solution_key": "null",
     }
     tr = Trainer(_cfg(assets, tmp_path, [server.url], **over))

@@ -98,6 +98,59 @@ def test_engine_settings_reach_each_mechanism_through_the_plan(tiny_model):
     )
 
 
+def test_the_default_plan_is_the_config_sections_defaults():
+    """``default_plan`` resolves :data:`opsd.cpu.SECTION_DEFAULTS`, the ``cpu`` section's defaults (the
+    room imports no config; the section reads its defaults from there)."""
+    from opsd.config import CpuTuning
+
+    assert dict(cpu.SECTION_DEFAULTS) == CpuTuning().model_dump()
+    for device, dtype, engine in [
+        (CPU, torch.bfloat16, "hf"),
+        (CPU, torch.float32, "vllm"),
+        (CUDA, None, "hf"),
+    ]:
+        want = cpu.resolve_plan(CpuTuning(), device, dtype, engine=engine)
+        assert cpu.default_plan(device, dtype, engine=engine) == want
+
+
+def test_the_trainers_hooks_say_what_the_plan_means():
+    """Outside ``opsd/cpu/`` the plan is read through hooks: the micro-batches' row layout, the loss's
+    chunking, ``rollout.fold_lora: on``'s budget; the plain path's are the plain values."""
+    plan = cpu.resolve_plan(settings(), CPU, torch.bfloat16, engine="hf")
+    applied = cpu.CpuPlan(bucket_widths=True, pack_rows=True, pack_from=100)
+    assert applied.row_widths() == cpu.RowWidths(bucket=True, pack_from=100)
+    assert cpu.CpuPlan().row_widths() == cpu.RowWidths()
+    assert plan.loss_chunking(None) == (cpu.LOSS_CHUNK_ROWS_HF, cpu.LOSS_SLAB_ELEMENTS)
+    assert plan.loss_chunking(64) == (64, cpu.LOSS_SLAB_ELEMENTS)  # loss.chunk_size stands where set
+    assert cpu.CpuPlan().loss_chunking(None) == (None, None)
+    assert plan.forced_fold_bytes() == plan.fold_lora_bytes > 0
+    assert cpu.CpuPlan().forced_fold_bytes() == 1 << 62  # no budget: every LoRA-wrapped weight
+
+
+def test_row_widths_bucket_and_pack_only_where_it_saves_work():
+    plain = cpu.RowWidths()
+    assert plain.width(43) == 43 and plain.packed([40, 50]) is None
+    bucketed = cpu.RowWidths(bucket=True, pack_from=40)
+    assert bucketed.width(43) == 44
+    assert bucketed.packed([43, 50]) == [44, 50]  # each row its own bucket width
+    assert bucketed.packed([37, 50]) is None  # the shortest (38 wide) under pack_from: batched
+    assert bucketed.packed([49, 50]) is None  # one bucket width: nothing to save
+    assert cpu.RowWidths(pack_from=1).packed([3, 5]) == [3, 5]
+
+
+def test_the_package_loads_no_torch():
+    """``opsd.cpu`` is light: the ``opsd`` command imports it (OpenMP's waiting) before torch loads,
+    and its torch names load on first use."""
+    import subprocess
+
+    code = "import sys, opsd.cpu; assert 'torch' not in sys.modules; opsd.cpu.packed_hidden; "
+    code += "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
+    with pytest.raises(AttributeError, match="no attribute 'heap_of'"):
+        cpu.heap_of  # noqa: B018
+
+
 def test_each_switch_turns_its_mechanism_off():
     off = dict(pack_rows=False, bucket_widths=False, frozen_layout=False, trim_heap=False, tune_malloc=False)
     plan = cpu.resolve_plan(settings(**off), CPU, torch.bfloat16, engine="hf")

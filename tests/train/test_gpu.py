@@ -31,9 +31,10 @@ def _lm_rows(n: int, h: int, v: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def test_bf16_loss_products_on_cuda_against_float64():
-    """bf16 hidden states and head, fp32 logits from two bf16 products (loss.fused._logits_bf16):
+    """bf16 hidden states and head, fp32 logits from two bf16 products (loss.fused.logits_bf16):
     the loss within 1e-3 relative of the float64 reference on the same bf16-rounded inputs (the
-    kernel's documented target; on CPU tests/loss/test_loss.py measured 1.3e-4 on inputs of this size)."""
+    kernel's documented target; on CPU tests/loss/test_loss_precision.py measured 1.3e-4 on inputs of
+    this size)."""
     from opsd.loss import DistillSpec, fused_linear_distill
 
     hs, ht, w = _lm_rows(512, 256, 8192, seed=0)

@@ -316,11 +316,11 @@ def test_loss_products_are_bf16_only_on_bf16_units(cpu_bf16):
 
 def test_the_trainer_uses_bf16_loss_products_on_bf16_units(assets, tmp_path, monkeypatch):
     """With bf16 units the trainer's loss multiplies in bf16 (two products per logit block,
-    opsd/loss/fused.py's _logits_bf16): on the same micro-batches it gives another float than float32
+    opsd/loss/fused.py's logits_bf16): on the same micro-batches it gives another float than float32
     products do, so the path is taken. How close it is to float64 is the kernel's own test
-    (tests/loss/test_loss.py, per mode, with its error model); how close two oneDNN builds' bf16 products
-    are to each other depends on the instruction set (measured here: 8e-8 with AVX512 kernels, 1.7e-7
-    with AVX2 ones, on a loss of 1e-4), so no bound between the two paths is asserted here."""
+    (tests/loss/test_loss_precision.py, per mode, with its error model); how close two oneDNN builds'
+    bf16 products are to each other depends on the instruction set (measured here: 8e-8 with AVX512
+    kernels, 1.7e-7 with AVX2 ones, on a loss of 1e-4), so no bound between the two paths is asserted here."""
     monkeypatch.setenv("OPSD_CPU_BF16", "1")
     tr = Trainer(
         make_cfg(
@@ -349,9 +349,11 @@ def test_the_trainer_uses_bf16_loss_products_on_bf16_units(assets, tmp_path, mon
 
 
 def test_eval_resolves_auto_like_train(assets, cpu_bf16):
-    from opsd.eval import evaluate
+    from opsd.config import EvalCommand, load_config
+    from opsd.eval.cli import evaluate
 
-    (res,) = evaluate(assets["model"], assets["data"], limit=1, max_new_tokens=2, device="cpu").values()
+    keys = [f"model.path={assets['model']}", f"eval.path={assets['data']}", "eval.limit=1", "device=cpu"]
+    (res,) = evaluate(load_config(None, [*keys, "eval.max_new_tokens=2"], schema=EvalCommand)).values()
     assert res.settings["dtype"] == ("bfloat16" if cpu_bf16 else "float32")
 
 

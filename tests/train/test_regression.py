@@ -45,7 +45,7 @@ CASES = {
     "jsd-token-clip-seq": {"loss.clip_mode": "token", "loss.clip": 0.05, "loss.reduction": "sequence"},
     "topk": {"loss.mode": "topk", "loss.topk": 5, "loss.beta": 1.0},
     "sampled": {"loss.mode": "sampled"},
-    "grpo": {"objective": "grpo", "grpo.grader": "test_regression:letter_e_reward"},
+    "grpo": {"objective": "grpo", "grpo.grader": "helpers:letter_e_reward"},
 }
 
 # step -> (loss, divergence, grad_norm) in float64; filled with OPSD_PRINT_PINNED=1
@@ -109,7 +109,8 @@ RTOL = 1e-9  # float64 across instruction sets: see the module docstring
 # log-softmax rounds each to about ln(V) * u32 absolute, and a term multiplies at most two of them
 # (sampled: A * log S), so a term, and a weighted mean of terms, is off by at most 2 (ln V)^2 u32.
 # Measured here: 2e-7 at most, under the bound of 4.6e-6. The gradient norm follows the fused kernel's
-# float32 gradient error, held at 3e-4 relative in tests/loss/test_loss.py (measured here: 1e-5 at most).
+# float32 gradient error, held at 3e-4 relative in tests/loss/test_loss_precision.py (measured here:
+# 1e-5 at most).
 U32 = torch.finfo(torch.float32).eps / 2
 VOCAB = 512  # opsd.tiny's tokenizer
 LOSS_ATOL32 = 2 * math.log(VOCAB) ** 2 * U32
@@ -173,9 +174,3 @@ def test_float32_first_step_within_rounding(assets, tmp_path, case):
     assert abs(loss - want_loss) <= LOSS_ATOL32, (case, loss, want_loss, LOSS_ATOL32)
     assert abs(div - want_div) <= LOSS_ATOL32, (case, div, want_div, LOSS_ATOL32)
     assert grad == pytest.approx(want_grad, rel=GRAD_RTOL32, abs=1e-12), (case, grad, want_grad)
-
-
-def letter_e_reward(response: str, answer: str) -> float:
-    """A dense, deterministic reward for the GRPO case: the fraction of 'e' characters in the response
-    (the tiny random model never answers correctly, so a correctness reward would pin only zeros)."""
-    return response.count("e") / max(1, len(response))
