@@ -8,7 +8,19 @@ from typing import Literal
 from pydantic import Field
 
 from opsd.config.base import Section
-from opsd.data.prompts import DEFAULT_INSTRUCTION, DEFAULT_TEACHER_TEMPLATE
+
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+DEFAULT_TEACHER_TEMPLATE = (
+    "{problem}\n\n"
+    "Below is a reference solution to this problem.\n"
+    "===== BEGIN REFERENCE SOLUTION =====\n"
+    "{solution}\n"
+    "===== END REFERENCE SOLUTION =====\n\n"
+    "Use the reference only to check your understanding. Do not copy it or mention it: solve the problem "
+    "yourself and derive the answer in your own reasoning.\n"
+    "{instruction}"
+)
 
 
 class DataConfig(Section):

@@ -2,8 +2,8 @@
 
 The student sees the problem; the teacher sees the problem plus the privileged information (the
 reference solution). :class:`PromptBuilder` tokenizes each example's pair once and counts how many
-prompts had to be truncated. Only the standard library is imported here, so ``opsd.config`` can take
-the defaults without loading torch or transformers.
+prompts had to be truncated. The default instruction and teacher template are the ``data`` section's
+(:mod:`opsd.config.data`). Only the standard library is imported here: no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -12,21 +12,9 @@ import string
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from opsd.config.data import DEFAULT_INSTRUCTION, DEFAULT_TEACHER_TEMPLATE
 from opsd.data.sources import Example, check_messages
 from opsd.errors import UserError
-
-DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-DEFAULT_TEACHER_TEMPLATE = (
-    "{problem}\n\n"
-    "Below is a reference solution to this problem.\n"
-    "===== BEGIN REFERENCE SOLUTION =====\n"
-    "{solution}\n"
-    "===== END REFERENCE SOLUTION =====\n\n"
-    "Use the reference only to check your understanding. Do not copy it or mention it: solve the problem "
-    "yourself and derive the answer in your own reasoning.\n"
-    "{instruction}"
-)
 
 TEMPLATE_FIELDS = ("problem", "solution", "instruction")
 _REQUIRED_TEMPLATE_FIELDS = ("problem", "solution")
