@@ -21,7 +21,6 @@ unguarded once it is found. Nothing is uninstalled unless the user runs ``opsd e
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from collections.abc import MutableMapping
@@ -39,6 +38,15 @@ FIX_COMMAND = "opsd env --fix"
 def local_label(version: str) -> str:
     """The build label of a version (``2.13.0+cpu`` -> ``cpu``; ``0.28.0`` -> ``""``)."""
     return version.partition("+")[2]
+
+
+def has_pip() -> bool:
+    """Whether pip is installed in this environment, from the package metadata (nothing imported)."""
+    try:
+        metadata.version("pip")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def installed_versions() -> dict[str, str]:
@@ -157,7 +165,10 @@ def fix(versions: dict[str, str] | None = None, run=None) -> int:
         return 0
     cmd = uninstall_command(names)
     if run is None:
-        if importlib.util.find_spec("pip") is None:
+        # pip's metadata, not importlib.util.find_spec("pip"): setuptools' import hook answers a
+        # lookup of "pip" by turning its own distutils off for the rest of the process (torch's
+        # inductor then fails to import setuptools).
+        if not has_pip():
             raise UserError(
                 f"{describe(names, versions)} should go, but this environment has no pip; uninstall "
                 f"them with the installer that made it, e.g. `uv pip uninstall {' '.join(names)}`"

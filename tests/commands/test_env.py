@@ -174,3 +174,28 @@ def test_env_fix_through_the_command_line(monkeypatch, capsys):
     assert ran == [[sys.executable, "-m", "pip", "uninstall", "-y", "torchvision", "torchcodec"]]
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("opsd env: error: `") and "exited with 1" in err[-1]
+
+
+def test_env_fix_looks_pip_up_without_the_import_system(monkeypatch, capsys):
+    """`opsd env --fix` asks pip's metadata whether pip is there, never ``find_spec("pip")``: setuptools'
+    import hook answers that lookup by turning its distutils off for the rest of the process, and
+    torch's inductor then fails to import setuptools. Without pip the fix is one line naming uv."""
+    import opsd.companions
+
+    looked_up = []
+    real = importlib.util.find_spec
+
+    def spy(name, *a):
+        looked_up.append(name)
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", spy)
+    versions = {"torch": "2.13.0+cpu", "torchvision": "0.28.0"}
+    monkeypatch.setattr(opsd.companions, "installed_versions", lambda: versions)
+    monkeypatch.setattr("subprocess.call", lambda cmd: 0)
+    assert main(["env", "--fix"]) == 0
+    assert "pip" not in looked_up
+    monkeypatch.setattr(opsd.companions, "has_pip", lambda: False)
+    assert main(["env", "--fix"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("opsd env: error: ") and "uv pip uninstall torchvision" in err[-1]
