@@ -434,10 +434,12 @@ def save_checkpoint(
     def merged(tmp: Path) -> None:
         write_merged(model, tokenizer, tmp / "merged")
 
+    # The parts' states first, outside the write's error handling: a part's own failure is not a
+    # failed write.
+    state = {"format": FORMAT} | {name: part.state_dict() for name, part in run.shared.items()}
+    mine = {name: part.state_dict() for name, part in run.per_rank.items()}
+    mine["rng"] = rng_state()  # after the parts: a part's state_dict may draw
     try:
-        state = {"format": FORMAT} | {name: part.state_dict() for name, part in run.shared.items()}
-        mine = {name: part.state_dict() for name, part in run.per_rank.items()}
-        mine["rng"] = rng_state()  # after the parts: a part's state_dict may draw
         save_distributed(
             final,
             model,

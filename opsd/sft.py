@@ -81,5 +81,6 @@ def run_sft(args: argparse.Namespace) -> int:
         trainer.close()
     losses = [rec["loss"] for rec in history]
     span = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; " if losses else ""
-    print(f"sft: {len(trainer.run.data.examples)} rows, {len(history)} steps, {span}saved {out}")
+    ended = f"stopped by a signal after step {trainer.step_num}; " if trainer.stopped else ""
+    print(f"sft: {len(trainer.run.data.examples)} rows, {len(history)} steps, {span}{ended}saved {out}")
     return 0

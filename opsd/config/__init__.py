@@ -2,9 +2,10 @@
 
 Every key is validated up front by pydantic (unknown keys are errors that name the key), and
 combinations that make no sense are rejected with the reason before any model is loaded. One module
-per section; the cross-section checks in :mod:`opsd.config.checks`; `opsd train`'s :class:`Config`
-in :mod:`opsd.config.root`, and `opsd eval`'s and `opsd sft`'s schemas, built from the same sections,
-in :mod:`opsd.config.commands`. Light on purpose: pydantic and YAML, no torch.
+per section; `opsd train`'s :class:`Config` and the cross-section checks
+(:func:`~opsd.config.root.check_combinations`) in :mod:`opsd.config.root`; `opsd eval`'s and
+`opsd sft`'s schemas, built from the same sections, in :mod:`opsd.config.commands`. Light on purpose:
+pydantic and YAML, no torch.
 """
 
 from opsd.config.base import DeviceSetting, Section, Switch, switch_word

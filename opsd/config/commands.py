@@ -5,6 +5,7 @@ training and in `opsd eval`). A command changes only some defaults (:data:`EVAL_
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
@@ -57,6 +58,17 @@ def require(tree: Any, key: str, hint: str) -> None:
         raise ValueError(f"{key} is required ({hint})")
 
 
+# Keys of the training sections that `opsd eval` reads from its own `eval` section instead: set under
+# their training names they would be ignored, so they are refused with the name to use.
+EVAL_READS_OWN = {
+    ("rollout", "temperature"),
+    ("rollout", "top_p"),
+    ("rollout", "max_new_tokens"),
+    ("data", "split"),
+    ("data", "answer_key"),
+}
+
+
 class EvalCommand(RunKeys):
     """`opsd eval`: the accuracy of `model.path` (and of each of `models`) on `eval.path` (both
     required), sampled as the `eval` section says, prompted as the `data` section's prompt keys say
@@ -92,6 +104,9 @@ class EvalCommand(RunKeys):
             raise ValueError(
                 "eval.every, eval.sets and eval.divergence are training's: `opsd eval` runs once"
             )
+        for section, key in sorted(EVAL_READS_OWN):
+            if key in getattr(self, section).model_fields_set:
+                raise ValueError(f"{section}.{key} is training's: `opsd eval` reads eval.{key}")
         return self
 
     def model_paths(self) -> list[str]:
@@ -126,6 +141,16 @@ class SFTCommand(RunKeys):
         require(tree, "data.path", "--data")
         require(tree, "out", "--out")
         return with_defaults(tree, {k: v for k, v in SFT_DEFAULTS.items() if k in cls.model_fields})
+
+    @model_validator(mode="after")
+    def _out_apart(self) -> SFTCommand:
+        """``out`` is a run directory that ``--overwrite`` deletes: never the model's or the data's."""
+        out = Path(self.out).resolve()
+        for key, value in (("model.path", self.model.path), ("data.path", self.data.path)):
+            given = Path(value).resolve()
+            if given.exists() and (out == given or out in given.parents or given in out.parents):
+                raise ValueError(f"out={self.out} overlaps {key}={value}: write the model elsewhere")
+        return self
 
     def training_config(self) -> Config:
         """The `opsd train` configuration this runs: ``objective: sft`` in the run directory ``out``."""

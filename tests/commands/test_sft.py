@@ -154,3 +154,53 @@ def test_cli_takes_the_cpu_section(tmp_path: Path, tiny_model_dir: Path, monkeyp
         == 0
     )
     assert plans[0].bucket_widths and not plans[1].bucket_widths
+
+
+def test_out_never_overlaps_the_model_or_the_data(tmp_path: Path) -> None:
+    """``out`` is a run directory that ``--overwrite`` deletes: the data's or the model's place, a folder
+    around them, or one inside the model's folder is refused before anything is loaded or removed."""
+    from opsd.config import SFTCommand, load_config
+    from opsd.errors import UserError
+
+    data = tmp_path / "rows" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"problem": "1+1?", "solution": "2"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    cases = [
+        (tmp_path, "model.path"),
+        (data.parent, "data.path"),
+        (model, "model.path"),
+        (model / "out", "model.path"),
+    ]
+    for out, key in cases:
+        with pytest.raises(UserError, match=rf"overlaps {key}") as info:
+            load_config(None, [f"model.path={model}", f"data.path={data}", f"out={out}"], schema=SFTCommand)
+        assert "\n" not in str(info.value)
+    beside = tmp_path / "rows" / "out"  # beside the data file: --overwrite deletes only itself
+    ok = load_config(None, [f"model.path={model}", f"data.path={data}", f"out={beside}"], schema=SFTCommand)
+    assert ok.out == str(beside)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "rollout.temperature=0",
+        "rollout.top_p=1",
+        "rollout.max_new_tokens=8",
+        "data.split=validation",
+        "data.answer_key=gold",
+    ],
+)
+def test_eval_refuses_training_names_of_its_own_keys(key: str) -> None:
+    """`opsd eval` reads temperature, top_p, max_new_tokens, split and answer_key from its `eval` section:
+    set under the training sections' names they would be ignored, so each is refused, naming eval's."""
+    from opsd.config import EvalCommand, load_config
+    from opsd.errors import UserError
+
+    name = key.split("=")[0].split(".")[1]
+    with pytest.raises(UserError, match=rf"`opsd eval` reads eval\.{name}"):
+        load_config(None, ["model.path=m", "eval.path=e.jsonl", key], schema=EvalCommand)
+    assert load_config(
+        None, ["model.path=m", "eval.path=e.jsonl", f"eval.{key.split('.', 1)[1]}"], schema=EvalCommand
+    )
