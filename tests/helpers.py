@@ -305,3 +305,16 @@ def letter_e_reward(response: str, answer: str) -> float:
     """A dense, deterministic reward for the GRPO case: the fraction of 'e' characters in the response
     (the tiny random model never answers correctly, so a correctness reward would pin only zeros)."""
     return response.count("e") / max(1, len(response))
+
+
+# --- a user mistake on the command line: exit status 2, one line, no traceback ---
+
+
+def cli_error(capsys, argv: list[str]) -> str:
+    """Runs ``opsd ARGV``, which must fail as a user mistake does; returns its one error line."""
+    from opsd.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err

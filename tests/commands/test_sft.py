@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import cli_error
 
 import opsd.optim
 from opsd.cli import main
@@ -106,31 +107,22 @@ def test_cli_config_overrides_and_flags(tmp_path: Path, tiny_model_dir: Path, ca
     assert "6 rows, 2 steps" in printed and (out / "config.json").is_file()
 
 
-def _cli_error(capsys, argv: list[str]) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    return err
-
-
 def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     base = ["sft", "--model", str(tiny_model_dir), "--out", str(tmp_path / "out")]
     missing = str(tmp_path / "missing.jsonl")
-    assert missing in _cli_error(capsys, [*base, "--data", missing])
+    assert missing in cli_error(capsys, [*base, "--data", missing])
     no_solution = _data(tmp_path, [{"problem": "a", "answer": "1"}])
-    assert "'solution'" in _cli_error(capsys, [*base, "--data", str(no_solution)])
-    assert "optim.lrr" in _cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "optim.lrr=1"])
-    assert "no_such_model" in _cli_error(
+    assert "'solution'" in cli_error(capsys, [*base, "--data", str(no_solution)])
+    assert "optim.lrr" in cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "optim.lrr=1"])
+    assert "no_such_model" in cli_error(
         capsys,
         ["sft", "--model", str(tmp_path / "no_such_model"), "--data", str(_data(tmp_path)), "--out", "x"],
     )
-    assert "out" in _cli_error(
-        capsys, ["sft", "--model", str(tiny_model_dir), "--data", str(_data(tmp_path))]
-    )
-    err = _cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "device=gpu"])
+    assert "out" in cli_error(capsys, ["sft", "--model", str(tiny_model_dir), "--data", str(_data(tmp_path))])
+    err = cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "device=gpu"])
     assert "device" in err and "cuda:N" in err  # opsd.devices' spelling check, as for `opsd train`
     if not torch.cuda.is_available():
-        assert "device=cpu" in _cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "device=cuda"])
+        assert "device=cpu" in cli_error(capsys, [*base, "--data", str(_data(tmp_path)), "device=cuda"])
 
 
 def test_cli_takes_the_cpu_section(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SHARED_DATA
+from helpers import SHARED_DATA, cli_error
 
 from opsd.cli import main
 from opsd.config import DataConfig, EvalCommand, EvalConfig, load_config
@@ -328,33 +328,26 @@ def test_cli_config_and_stray_override(tmp_path: Path, tiny_model_dir: Path, cap
     assert summary["settings"]["temperature"] == 0
 
 
-def _cli_error(capsys, argv: list[str]) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    return err
-
-
 def test_cli_user_errors(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     good = str(_write_jsonl(tmp_path / "d.jsonl", ROWS))
     model = ["--model", str(tiny_model_dir)]
     missing = str(tmp_path / "missing.jsonl")
-    assert missing in _cli_error(capsys, ["eval", *model, "--data", missing])
+    assert missing in cli_error(capsys, ["eval", *model, "--data", missing])
     nope = str(tmp_path / "no_such_model")
-    assert "no_such_model" in _cli_error(capsys, ["eval", "--model", nope, "--data", good])
+    assert "no_such_model" in cli_error(capsys, ["eval", "--model", nope, "--data", good])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": \n')
-    err = _cli_error(capsys, ["eval", *model, "--data", str(bad)])
+    err = cli_error(capsys, ["eval", *model, "--data", str(bad)])
     assert "bad.jsonl" in err and "line 2" in err
     no_answers = _write_jsonl(tmp_path / "no_answers.jsonl", [{"problem": "a", "solution": "x"}])
-    err = _cli_error(capsys, ["eval", *model, "--data", str(no_answers)])
+    err = cli_error(capsys, ["eval", *model, "--data", str(no_answers)])
     assert "no_answers.jsonl" in err and "'answer'" in err
-    assert "eval.k" in _cli_error(capsys, ["eval", *model, "--data", good, "eval.k=0"])
-    assert "model.path" in _cli_error(capsys, ["eval", "--data", good])
-    err = _cli_error(capsys, ["eval", *model, "--data", good, "--device", "gpu"])
+    assert "eval.k" in cli_error(capsys, ["eval", *model, "--data", good, "eval.k=0"])
+    assert "model.path" in cli_error(capsys, ["eval", "--data", good])
+    err = cli_error(capsys, ["eval", *model, "--data", good, "--device", "gpu"])
     assert "device" in err and "cuda:N" in err  # opsd.devices' spelling check, as for `opsd train`
     if not torch.cuda.is_available():
-        assert "device=cpu" in _cli_error(capsys, ["eval", *model, "--data", good, "--device", "cuda"])
+        assert "device=cpu" in cli_error(capsys, ["eval", *model, "--data", good, "--device", "cuda"])
 
 
 def test_cli_takes_the_cpu_section(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
