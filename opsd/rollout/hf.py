@@ -5,6 +5,7 @@ It runs anywhere (CPU or GPU), and weight sync is free since the model is shared
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
@@ -186,10 +187,7 @@ class HFEngine(SamplesOnSubmit):
             # LoRA folded into copies of the weights while generating, where they fit in the budget
             # (on a CPU the activations', free during the rollout: peak RSS stays where training puts it).
             folded = self.cpu_settings.lora_folded(self.model)
-            # Decoding runs eager: layers compiled for training (model.compile) would recompile at
-            # every new cache length.
-            eager = torch.compiler.set_stance("force_eager")
-            with rng, amp, eager, gathered(self.model), folded:
+            with rng, amp, eager_decoding(self.model), gathered(self.model), folded:
                 torch.manual_seed(seed)
                 for start in range(0, len(order), self.batch_size):
                     chunk = order[start : start + self.batch_size]
@@ -259,3 +257,14 @@ class HFEngine(SamplesOnSubmit):
                 )
             )
         return out
+
+
+def eager_decoding(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Decoding runs eager where layers were compiled for training (``model.compile``): they would
+    recompile at every new cache length. The compiler's stance is process-wide and its restore is not
+    safe across threads (two decoding threads interleaved leave ``force_eager`` set), so a model with
+    nothing compiled leaves it alone."""
+    compiled = any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+    if not compiled:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
