@@ -12,7 +12,10 @@ class EvalSetConfig(Section):
     """One more held-out file, evaluated beside eval.path at every evaluation with the same instruction,
     answer key, sampling and engine: reported, never used to choose (eval.path does that)."""
 
-    path: str = Field(description="The file (same formats as data.path), every row with eval.answer_key.")
+    path: str = Field(
+        description="The file (same formats as data.path; a saved DatasetDict or hub dataset is read at "
+        "eval.split), every row with eval.answer_key."
+    )
     grader: str | None = Field(None, description="Its grader (as eval.grader); null: eval.grader.")
     limit: int | None = Field(None, ge=1, description="The first this many rows only; null: all.")
     drift: bool = Field(

@@ -70,6 +70,7 @@ def load_sets(cfg, train_answers: list[str | None]) -> list[HeldoutSet]:
         loaded = load_examples(
             s.path,
             RowKeys(problem=cfg.data.problem_key, solution=None, answer=cfg.eval.answer_key),
+            split=cfg.eval.split,
             require_answer=True,
         )
         examples = loaded.examples[: s.limit]

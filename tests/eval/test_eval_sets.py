@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import build_assets, make_cfg
 
-from opsd.eval.sets import bucketed_kl, bucketed_logprobs, reference_samples
+from opsd.eval.sets import bucketed_kl, bucketed_logprobs, load_sets, reference_samples
 from opsd.rollout import Completion
 from opsd.trainer import Trainer
 
@@ -156,6 +156,20 @@ def test_every_set_is_reported_and_split_by_answers_seen_in_training(assets, tmp
     assert m["eval/B/seen"] == pytest.approx(2 / 3)  # rows 0, 1, 4 answer 7, 3, 11: training answers
     assert m["eval/B/other"] == pytest.approx(1 / 2)
     assert not {"eval/A/seen", "eval/A/other", "eval/A/drift", "eval/B/drift"} & set(m)
+
+
+def test_a_set_saved_as_a_dataset_dict_is_read_at_eval_split(assets, tmp_path):
+    """A set is read like eval.path: a DatasetDict at ``eval.split``, not the loader's default ``train``."""
+    import datasets
+
+    rows = [{"problem": f"Question {i}?", "answer": str(i)} for i in range(3)]
+    whole = datasets.Dataset.from_list(rows)
+    datasets.DatasetDict({"train": whole, "test": whole.select([2])}).save_to_disk(str(tmp_path / "dd"))
+    over = {"eval.path": assets["data"], "eval.sets.R.path": str(tmp_path / "dd")}
+    cfg = make_cfg(assets, tmp_path / "run", **over)
+    assert [ex.answer for ex in load_sets(cfg, [])[0].examples] == ["2"]  # eval.split defaults to test
+    cfg = make_cfg(assets, tmp_path / "run", **over, **{"eval.split": "train"})
+    assert [ex.answer for ex in load_sets(cfg, [])[0].examples] == ["0", "1", "2"]
 
 
 def test_the_sets_are_logged_with_each_evaluation(assets, tmp_path):

@@ -104,22 +104,6 @@ def test_global_rng_untouched(tiny_model, tiny_tokenizer, prompts):
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_uncompiled_decoding_leaves_the_compiler_stance_alone(
-    tiny_model, tiny_tokenizer, prompts, monkeypatch
-):
-    """The stance is process-wide; only a model with compiled layers needs decoding forced eager (that
-    case: tests/train/test_compile.py)."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("set_stance called for a model with nothing compiled")
-
-    monkeypatch.setattr(torch.compiler, "set_stance", refuse)
-    comps = HFEngine(tiny_model, tiny_tokenizer).generate(
-        prompts, 1, SamplingParams(max_new_tokens=3, seed=0)
-    )
-    assert len(comps) == len(prompts)
-
-
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (1.3, 20)])
 def test_logprobs_match_teacher_forced_forward(tiny_model, tiny_tokenizer, prompts, temperature, top_k):
     engine = HFEngine(tiny_model, tiny_tokenizer, batch_size=8)

@@ -82,6 +82,22 @@ def test_compiled_layers_train_like_eager_ones(assets, tmp_path, monkeypatch):
         assert abs(a - b) <= 1e-4 * abs(a) + floor, (key, a, b)
 
 
+def test_uncompiled_decoding_leaves_the_compiler_stance_alone(tiny_model, tiny_tokenizer, monkeypatch):
+    """The stance is process-wide (and its restore is not safe across threads): only a model with
+    compiled layers has its decoding forced eager (the case above)."""
+    from opsd.rollout import HFEngine, SamplingParams
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("set_stance called for a model with nothing compiled")
+
+    monkeypatch.setattr(torch.compiler, "set_stance", refuse)
+    prompts = [tiny_tokenizer.encode("What is 1 + 2?"), tiny_tokenizer.encode("Name a colour.")]
+    comps = HFEngine(tiny_model, tiny_tokenizer).generate(
+        prompts, 1, SamplingParams(max_new_tokens=3, seed=0)
+    )
+    assert len(comps) == 2
+
+
 @pytest.mark.skipif(not HAS_CXX, reason="inductor needs a C++ compiler on the CPU")
 def test_compiled_lora_layers_share_their_code():
     """Every decoder layer runs the same code, peft's LoRA layers included: dynamo compiles it for the
